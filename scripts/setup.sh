@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Idempotent set-up: a .venv with torch 2.13.0 (CPU wheel on these machines), the test and
+# example dependencies, and torchstrategy built in place with its C++ extension.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+STAMP=$VENV/.torchstrategy-setup
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+
+# Pin torch first and on its own: anything that depends on torch then sees it satisfied and
+# never pulls the multi-GB CUDA build.
+want_deps="torch==2.13.0 numpy pytest pytest-timeout tqdm scikit-learn setuptools wheel ninja"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want_deps" ]; then
+  "$PY" -m pip install -q --upgrade pip
+  "$PY" -m pip install -q torch==2.13.0
+  "$PY" -m pip install -q $want_deps
+  echo "$want_deps" > "$STAMP"
+fi
+
+# Rebuild the extension only when a C++/CUDA source or the build script changed.
+build_stamp=$VENV/.torchstrategy-build
+sources_hash=$(cat setup.py setup.cfg pyproject.toml csrc/* 2>/dev/null | sha256sum | cut -d' ' -f1)
+if [ ! -f "$build_stamp" ] || [ "$(cat "$build_stamp")" != "$sources_hash" ] \
+   || ! "$PY" -c "import torchstrategy._C" 2>/dev/null; then
+  MAX_JOBS=${MAX_JOBS:-2} "$PY" -m pip install -q --no-build-isolation --no-deps -e .
+  echo "$sources_hash" > "$build_stamp"
+fi

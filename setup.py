@@ -1,0 +1,53 @@
+"""Builds torchstrategy and its extension ``torchstrategy._C`` from ``csrc/``.
+
+The C++ sources always build. CUDA sources (``csrc/*.cu``) build only when the installed
+torch has CUDA and the nvcc found by torch.utils.cpp_extension has the same major version,
+so a machine without a GPU toolchain still gets the C++ kernels.
+"""
+import glob
+import os
+import re
+import subprocess
+
+from setuptools import setup
+
+
+def _nvcc_matches_torch(torch):
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if torch.version.cuda is None or CUDA_HOME is None:
+        return False
+    try:
+        out = subprocess.run([os.path.join(CUDA_HOME, "bin", "nvcc"), "--version"],
+                             capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return False
+    found = re.search(r"release (\d+)\.", out)
+    return bool(found) and found.group(1) == torch.version.cuda.split(".")[0]
+
+
+def _extension():
+    import torch
+    from torch.utils.cpp_extension import CppExtension, CUDAExtension
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    cpp = sorted(glob.glob(os.path.join(here, "csrc", "*.cpp")))
+    cuda = sorted(glob.glob(os.path.join(here, "csrc", "*.cu")))
+    cpp = [os.path.relpath(p, here) for p in cpp]
+    cuda = [os.path.relpath(p, here) for p in cuda]
+    cxx_flags = ["-O3", "-std=c++17"]
+    if cuda and _nvcc_matches_torch(torch):
+        return CUDAExtension("torchstrategy._C", cpp + cuda,
+                             define_macros=[("TORCHSTRATEGY_WITH_CUDA", "1")],
+                             extra_compile_args={"cxx": cxx_flags,
+                                                 "nvcc": ["-O3", "--use_fast_math"]})
+    return CppExtension("torchstrategy._C", cpp, extra_compile_args={"cxx": cxx_flags})
+
+
+def _build_ext():
+    from torch.utils.cpp_extension import BuildExtension
+
+    return BuildExtension.with_options(use_ninja=True)
+
+
+setup(ext_modules=[_extension()], cmdclass={"build_ext": _build_ext()})

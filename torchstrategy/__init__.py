@@ -1,0 +1,43 @@
+"""torchstrategy: TensorFlow's tf.distribute.Strategy programming model for PyTorch.
+
+    import torchstrategy as ts
+
+    strategy = ts.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    with strategy.scope():
+        model = Net()
+        optimizer = torch.optim.Adam(model.parameters())
+    for batch in strategy.experimental_distribute_dataset(loader):
+        loss = strategy.run(train_step, args=(batch,))
+
+This module only re-exports the public surface; see the submodules for the details.
+"""
+from torchstrategy import checkpoint
+from torchstrategy.collectives.cross_device_ops import (CrossDeviceOps, NcclAllReduce,
+                                                        ReductionToOneDevice)
+from torchstrategy.context import (get_cross_replica_context, get_replica_context,
+                                   get_strategy, has_strategy, in_cross_replica_context)
+from torchstrategy.input.contexts import InputContext, InputOptions, ValueContext
+from torchstrategy.launch.spawn import launch
+from torchstrategy.losses import compute_average_loss, scale_regularization_loss
+from torchstrategy.reduce_op import ReduceOp
+from torchstrategy.replica_context import ReplicaContext
+from torchstrategy.strategies.base import Strategy, StrategyExtended
+from torchstrategy.strategies.mirrored import MirroredStrategy
+from torchstrategy.strategies.one_device import OneDeviceStrategy
+from torchstrategy.values import DistributedValues, Mirrored, PerReplica
+from torchstrategy.variables import (MirroredVariable, SyncOnReadVariable, Variable,
+                                     VariableAggregation, VariableSynchronization)
+from torchstrategy import values
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CrossDeviceOps", "DistributedValues", "InputContext", "InputOptions", "Mirrored",
+    "MirroredStrategy", "MirroredVariable", "NcclAllReduce", "OneDeviceStrategy",
+    "PerReplica", "ReduceOp", "ReductionToOneDevice", "ReplicaContext", "Strategy",
+    "StrategyExtended", "SyncOnReadVariable", "ValueContext", "Variable",
+    "VariableAggregation", "VariableSynchronization", "checkpoint",
+    "compute_average_loss", "get_cross_replica_context", "get_replica_context",
+    "get_strategy", "has_strategy", "in_cross_replica_context", "launch",
+    "scale_regularization_loss", "values",
+]

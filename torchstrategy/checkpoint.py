@@ -1,0 +1,68 @@
+"""Saving and loading under a strategy: one writer, atomic files, loads onto the replica.
+
+Because the scope never wraps modules, ``model.state_dict()`` has the same keys with or
+without a strategy: a checkpoint written under any strategy loads into a plain model, and
+a plain model's checkpoint loads under any strategy.
+"""
+import os
+import tempfile
+
+import torch
+
+from torchstrategy import context
+
+
+def _strategy_facts():
+    strategy = context.get_strategy()
+    ext = strategy.extended
+    return ext, ext.replica_id == 0
+
+
+def save(obj, path):
+    """Writes ``torch.save(obj)`` to `path` from replica 0; the other replicas wait.
+
+    The file appears atomically: it is written to a temporary file in the same directory,
+    flushed to disk and renamed, so a reader (or a crash) never sees a partial checkpoint.
+    Every replica must call this (it ends with a barrier, bounded by the strategy's
+    timeout).
+    """
+    ext, writer = _strategy_facts()
+    error = None
+    if writer:
+        path = os.fspath(path)
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
+        try:
+            with os.fdopen(handle, "wb") as f:
+                torch.save(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temporary, path)
+        except BaseException as caught:  # the barrier below must still be reached
+            error = caught
+            if os.path.exists(temporary):
+                os.unlink(temporary)
+    ext.communicator.barrier()
+    if error is not None:
+        raise error
+
+
+def load(path, map_location=None, weights_only=True):
+    """Loads a checkpoint onto this replica's device (or `map_location`).
+
+    By default only tensors and plain containers are unpickled (``weights_only=True``);
+    pass ``weights_only=False`` for checkpoints holding other objects, from sources you
+    trust.
+
+    Raises:
+      FileNotFoundError: naming the path.
+      pickle.UnpicklingError: for a checkpoint that needs ``weights_only=False``.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"No checkpoint at {path!r}.")
+    if map_location is None:
+        ext, _ = _strategy_facts()
+        map_location = ext.torch_device or torch.device("cpu")
+    return torch.load(path, map_location=map_location, weights_only=weights_only)

@@ -1,0 +1,1 @@
+"""Cross-replica communication: fused collectives, cross-device ops, the gradient reducer."""

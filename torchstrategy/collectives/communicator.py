@@ -1,0 +1,193 @@
+"""Fused collectives over a strategy's process group.
+
+Every operation takes a *list* of tensors and moves them in as few collectives as possible:
+tensors are grouped by dtype, packed into one flat buffer per dtype with the fused
+``torchstrategy._C`` kernels, reduced, and unpacked (with the 1/N of MEAN fused into the
+unpack). Many small tensors therefore cost one collective, not one each.
+
+With one replica every operation is local and issues no collective.
+"""
+import collections
+import math
+
+import torch
+import torch.distributed as dist
+
+from torchstrategy import _ops
+from torchstrategy.reduce_op import ReduceOp, as_reduce_op
+
+
+def _layout(tensors):
+    offsets, numels, total = [], [], 0
+    for t in tensors:
+        offsets.append(total)
+        numels.append(t.numel())
+        total += t.numel()
+    return offsets, numels, total
+
+
+def _by_dtype(tensors):
+    groups = collections.OrderedDict()
+    for index, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(index)
+    return groups
+
+
+class Communicator:
+    """Collectives among the replicas of one strategy.
+
+    Args:
+      group: the process group (None when there is one replica).
+      rank / world_size: this replica's id and the number of replicas.
+      device: the device buffers are reduced on (the replica's device).
+      cross_device_ops: the all-reduce algorithm (a `CrossDeviceOps`).
+    """
+
+    def __init__(self, group, rank, world_size, device, cross_device_ops):
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.cross_device_ops = cross_device_ops
+
+    # -- all-reduce -------------------------------------------------------------------
+    def all_reduce(self, tensors, op, inplace=False):
+        """Reduces each tensor across replicas; returns the results in the input order.
+
+        With `inplace` the results are written into the given tensors (which are returned).
+        Results have the input's dtype and device.
+
+        Raises:
+          ValueError: MEAN of integer or bool tensors (cast to a floating type first).
+        """
+        op = as_reduce_op(op)
+        tensors = list(tensors)
+        if op is ReduceOp.MEAN:
+            for t in tensors:
+                if not (t.is_floating_point() or t.is_complex()):
+                    raise ValueError(f"ReduceOp.MEAN of a {t.dtype} tensor is ambiguous; "
+                                     "cast it to a floating dtype first, or use SUM.")
+        if self.world_size == 1:
+            return tensors if inplace else [t.clone() for t in tensors]
+        scale = 1.0 / self.world_size if op is ReduceOp.MEAN else 1.0
+        results = list(tensors) if inplace else [None] * len(tensors)
+        pending = []
+        for dtype, indices in _by_dtype(tensors).items():
+            members = [tensors[i] for i in indices]
+            offsets, numels, total = _layout(members)
+            wire_dtype = torch.int32 if dtype == torch.bool else dtype
+            flat = torch.empty(total, dtype=wire_dtype, device=self.device)
+            _ops.pack(flat, members, offsets, numels)
+            pending.append((indices, members, offsets, flat,
+                            self.cross_device_ops.all_reduce_async(flat, self.group)))
+        for indices, members, offsets, flat, work in pending:
+            work.wait()
+            if flat.dtype != members[0].dtype:  # bool travelled as int32: SUM means "any"
+                flat = flat.ne(0)
+            outputs = members if inplace else [torch.empty_like(t) for t in members]
+            _ops.unpack(flat, outputs, offsets, scale)
+            for i, out in zip(indices, outputs):
+                results[i] = out
+        return results
+
+    # -- broadcast --------------------------------------------------------------------
+    def broadcast_(self, tensors, src=0):
+        """Overwrites every tensor with replica `src`'s value, in place."""
+        tensors = [t for t in tensors]
+        if self.world_size == 1 or not tensors:
+            return tensors
+        with torch.no_grad():
+            for dtype, indices in _by_dtype(tensors).items():
+                members = [tensors[i].detach() for i in indices]
+                offsets, numels, total = _layout(members)
+                flat = torch.empty(total, dtype=dtype, device=self.device)
+                if self.rank == src:
+                    _ops.pack(flat, members, offsets, numels)
+                dist.broadcast(flat, src=src, group=self.group)
+                if self.rank != src:
+                    _ops.unpack(flat, members, offsets)
+        return tensors
+
+    def broadcast_object(self, obj, src=0):
+        """Returns replica `src`'s `obj` on every replica (small picklable objects)."""
+        if self.world_size == 1:
+            return obj
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src, group=self.group,
+                                   device=self.device if self.device.type == "cuda" else None)
+        return box[0]
+
+    # -- all-gather -------------------------------------------------------------------
+    def all_gather(self, tensors, axis):
+        """Concatenates each tensor from every replica along `axis`, in replica order.
+
+        Sizes along `axis` may differ between replicas; every other dimension must agree.
+
+        Raises:
+          ValueError: a scalar tensor, an axis out of range, or shapes that disagree
+            between replicas outside `axis`.
+        """
+        tensors = list(tensors)
+        moved = []
+        for index, t in enumerate(tensors):
+            if t.dim() == 0:
+                raise ValueError(f"Cannot gather a scalar (leaf {index}) along axis {axis}; "
+                                 "give it a dimension first, e.g. t.reshape(1).")
+            if not -t.dim() <= axis < t.dim():
+                raise ValueError(f"axis {axis} is out of range for leaf {index} of shape "
+                                 f"{tuple(t.shape)}.")
+            moved.append(t.movedim(axis, 0).contiguous())
+        if self.world_size == 1:
+            return [t.clone() for t in tensors]
+        # Two small collectives: first the number of leaves (so that a mismatch is an
+        # error, not a collective of mismatched sizes), then every leaf's shape.
+        counts = self._gather_rows(torch.tensor([len(moved)], dtype=torch.int64), 1)
+        counts = counts[:, 0].tolist()
+        if len(set(counts)) != 1:
+            raise ValueError(f"Replicas gathered different numbers of tensors: {counts}. "
+                             "Every replica must pass the same structure.")
+        mine = []
+        for t in moved:
+            mine += [t.shape[0], math.prod(t.shape[1:])]
+        sizes = self._gather_rows(torch.tensor(mine, dtype=torch.int64), 2 * len(moved))
+        rows = sizes[:, 0::2]   # [replica, leaf] sizes along axis
+        inner = sizes[:, 1::2]  # [replica, leaf] elements per row
+        for leaf in range(len(moved)):
+            if len(set(inner[:, leaf].tolist())) != 1:
+                raise ValueError(f"Leaf {leaf} has different shapes outside axis {axis} on "
+                                 "different replicas; only the size along axis may differ.")
+        results = [None] * len(moved)
+        for dtype, indices in _by_dtype(moved).items():
+            members = [moved[i] for i in indices]
+            lengths = [sum(int(rows[r, i]) * int(inner[r, i]) for i in indices)
+                       for r in range(self.world_size)]
+            longest = max(lengths)
+            offsets, numels, _ = _layout(members)
+            flat = torch.zeros(longest, dtype=dtype, device=self.device)
+            _ops.pack(flat, members, offsets, numels)
+            gathered = [torch.empty_like(flat) for _ in range(self.world_size)]
+            dist.all_gather(gathered, flat, group=self.group)
+            for k, i in enumerate(indices):
+                parts = []
+                for r in range(self.world_size):
+                    start = sum(int(rows[r, j]) * int(inner[r, j]) for j in indices[:k])
+                    count = int(rows[r, i]) * int(inner[r, i])
+                    shape = (int(rows[r, i]),) + tuple(moved[i].shape[1:])
+                    parts.append(gathered[r][start:start + count].view(shape))
+                results[i] = torch.cat(parts).movedim(0, axis).to(tensors[i].device)
+        return results
+
+    def _gather_rows(self, row, width):
+        row = row.to(self.device)
+        out = [torch.empty(width, dtype=row.dtype, device=self.device)
+               for _ in range(self.world_size)]
+        dist.all_gather(out, row, group=self.group)
+        return torch.stack(out).cpu()
+
+    def barrier(self):
+        """Waits until every replica has reached this point (bounded by the timeout)."""
+        if self.world_size > 1:
+            if self.device.type == "cuda":
+                dist.barrier(group=self.group, device_ids=[self.device.index])
+            else:
+                dist.barrier(group=self.group)

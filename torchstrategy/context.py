@@ -1,0 +1,103 @@
+"""Which strategy is active, and whether code runs in replica or cross-replica context.
+
+The rules are TensorFlow's:
+
+- Outside any ``strategy.scope()`` the *default strategy* is active and the code runs in
+  its default replica context: ``get_strategy()`` returns the default strategy,
+  ``has_strategy()`` is False, ``in_cross_replica_context()`` is False and
+  ``get_replica_context()`` returns the default `ReplicaContext` (replica 0 of 1).
+- Inside ``strategy.scope()`` (and inside ``merge_call``) the code runs in cross-replica
+  context: ``get_replica_context()`` is None and ``in_cross_replica_context()`` is True.
+- Inside ``strategy.run(fn)`` the code runs in a replica context of that strategy.
+
+The state is per thread, so strategies that run replicas in threads see their own context.
+"""
+import contextlib
+import threading
+
+_state = threading.local()
+
+
+class _Entry:
+    __slots__ = ("strategy", "replica_context")
+
+    def __init__(self, strategy, replica_context):
+        self.strategy = strategy
+        self.replica_context = replica_context
+
+
+def _stack():
+    stack = getattr(_state, "stack", None)
+    if stack is None:
+        from torchstrategy.strategies.default import default_strategy
+
+        strategy = default_strategy()
+        stack = [_Entry(strategy, strategy.extended._default_replica_context())]
+        _state.stack = stack
+    return stack
+
+
+def _top():
+    return _stack()[-1]
+
+
+@contextlib.contextmanager
+def enter(strategy, replica_context):
+    """Pushes (strategy, replica_context or None for cross-replica) for this thread."""
+    stack = _stack()
+    stack.append(_Entry(strategy, replica_context))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def get_strategy():
+    """The strategy active in this thread: the innermost ``scope()`` or ``run``, else the
+    default strategy. Never None."""
+    return _top().strategy
+
+
+def has_strategy():
+    """True when a strategy other than the default one is active."""
+    from torchstrategy.strategies.default import is_default
+
+    return not is_default(_top().strategy)
+
+
+def in_cross_replica_context():
+    """True inside ``strategy.scope()`` (or ``merge_call``) and outside ``strategy.run``."""
+    return _top().replica_context is None
+
+
+def get_replica_context():
+    """The current `ReplicaContext`, or None in cross-replica context.
+
+    Outside any strategy this is the default strategy's replica context (replica 0 of 1),
+    so code written for replica context also runs without a strategy.
+    """
+    return _top().replica_context
+
+
+def get_cross_replica_context():
+    """The active strategy when in cross-replica context, else None."""
+    top = _top()
+    return top.strategy if top.replica_context is None else None
+
+
+def in_run():
+    """True when some ``strategy.run`` (not the default replica context) is executing."""
+    for entry in _stack()[1:]:
+        if entry.replica_context is not None:
+            return True
+    return False
+
+
+def active_non_default_strategy():
+    """The innermost non-default strategy active in this thread, or None."""
+    from torchstrategy.strategies.default import is_default
+
+    for entry in reversed(_stack()):
+        if not is_default(entry.strategy):
+            return entry.strategy
+    return None

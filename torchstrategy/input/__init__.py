@@ -1,0 +1,1 @@
+"""Distributed input: splitting global batches over replicas, per-replica pipelines."""

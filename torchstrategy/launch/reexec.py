@@ -1,0 +1,197 @@
+"""Re-execution launcher: a plain ``python train.py`` becomes N local replicas.
+
+The original process is replica 0. It starts replicas 1..N-1 by running the same command
+again (same interpreter, flags, script or module, and arguments) with torchrun's variables
+set, then supervises them:
+
+- one replica failing ends all: the others are terminated and the job exits with the
+  failing replica's exit code;
+- replica 0 failing (an exception, Ctrl-C) terminates the others before it exits;
+- children never outlive replica 0 (PR_SET_PDEATHSIG on Linux, and a watchdog thread).
+"""
+import atexit
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import _thread
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from torchstrategy.launch import world as world_lib
+
+_POLL_SECONDS = 0.1
+_TERMINATE_GRACE_SECONDS = 5.0
+# How long replica 0 waits at exit for the others before it releases its end of the process
+# group, so that a replica still blocked in a collective with it fails instead of hanging.
+_EXIT_WAIT_BEFORE_RELEASE_SECONDS = 30.0
+
+
+def reexec_command():
+    """The command that re-runs this program, or raises if it cannot be re-run.
+
+    Raises:
+      RuntimeError: in notebooks, interactive sessions, ``python -`` and under pytest, naming
+        `ts.launch` and torchrun as the ways to run several replicas there.
+    """
+    hint = ("Run it under torchrun (`torchrun --nproc-per-node=N train.py`), or start the "
+            "replicas with ts.launch(fn, num_replicas=N).")
+    argv = list(getattr(sys, "orig_argv", []))
+    interactive = hasattr(sys, "ps1") or "ipykernel" in sys.modules or sys.flags.interactive
+    if interactive or not sys.argv or sys.argv[0] in ("", "-"):
+        raise RuntimeError("A multi-replica strategy cannot re-execute an interactive "
+                           f"session or a notebook for its other replicas. {hint}")
+    if "pytest" in sys.modules and os.path.basename(sys.argv[0]).startswith(("pytest", "py.test")
+                                                                          ) or (
+            "pytest" in sys.modules and "-m" in argv and "pytest" in argv):
+        raise RuntimeError(f"A multi-replica strategy cannot re-execute pytest. {hint}")
+    if not argv:
+        raise RuntimeError(f"Cannot tell how this program was started. {hint}")
+    return [sys.executable] + argv[1:]
+
+
+def _die_with_parent():
+    """preexec_fn: the child gets SIGKILL if replica 0 dies (Linux)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def watch_parent():
+    """In a re-executed replica: exit if replica 0 has gone (portable fallback)."""
+    parent = os.environ.get(world_lib.PARENT_PID_ENV)
+    if parent is None:
+        return
+
+    def watch():
+        while True:
+            if os.getppid() != int(parent):
+                os._exit(1)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, name="torchstrategy-parent-watch", daemon=True).start()
+
+
+class _Supervisor:
+    def __init__(self, children):
+        self.children = children  # rank -> Popen
+        self.failure = None       # (rank, exit code) of the first replica that failed
+        self.main_failed = False
+        self.lock = threading.Lock()
+        self._install_excepthook()
+        atexit.register(self.at_exit)
+        threading.Thread(target=self.watch, name="torchstrategy-supervisor",
+                         daemon=True).start()
+
+    def _install_excepthook(self):
+        previous = sys.excepthook
+
+        def hook(kind, value, tb):
+            self.main_failed = True
+            previous(kind, value, tb)
+
+        sys.excepthook = hook
+
+    def terminate_all(self):
+        for child in self.children.values():
+            if child.poll() is None:
+                child.terminate()
+        deadline = time.monotonic() + _TERMINATE_GRACE_SECONDS
+        for child in self.children.values():
+            remaining = max(0.0, deadline - time.monotonic())
+            try:
+                child.wait(remaining)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+
+    def watch(self):
+        while True:
+            running = False
+            for rank, child in self.children.items():
+                code = child.poll()
+                if code is None:
+                    running = True
+                elif code != 0:
+                    self._on_failure(rank, code)
+                    return
+            if not running:
+                return
+            time.sleep(_POLL_SECONDS)
+
+    def _on_failure(self, rank, code):
+        with self.lock:
+            if self.failure is not None:
+                return
+            self.failure = (rank, code)
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        print(f"torchstrategy: replica {rank} {how}; stopping all replicas.", file=sys.stderr,
+              flush=True)
+        self.terminate_all()
+        _thread.interrupt_main()
+        time.sleep(_TERMINATE_GRACE_SECONDS * 2)
+        # The main thread did not stop (blocked outside Python): end the process.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(self.exit_code())
+
+    def exit_code(self):
+        rank, code = self.failure
+        return code if code > 0 else 128 - code
+
+    def at_exit(self):
+        if self.main_failed:
+            self.terminate_all()
+            return
+        released = False
+        start = time.monotonic()
+        while any(child.poll() is None for child in self.children.values()):
+            if self.failure is not None:
+                break
+            if not released and time.monotonic() - start > _EXIT_WAIT_BEFORE_RELEASE_SECONDS:
+                released = True
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            time.sleep(_POLL_SECONDS)
+        if self.failure is None:
+            for rank, child in self.children.items():
+                if child.returncode not in (0, None):
+                    self.failure = (rank, child.returncode)
+                    break
+        if self.failure is not None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(self.exit_code())
+
+
+def start_local_replicas(num_replicas, timeout_seconds):
+    """Starts replicas 1..N-1 of this program and returns replica 0's `World`.
+
+    This process hosts the rendezvous store on 127.0.0.1 and a port the OS picks, so there
+    is no port to configure and no race for one.
+    """
+    command = reexec_command()
+    store = dist.TCPStore("127.0.0.1", 0, num_replicas, is_master=True,
+                          wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_seconds))
+    threads = world_lib.threads_per_replica(num_replicas)
+    children = {}
+    for rank in range(1, num_replicas):
+        env = dict(os.environ)
+        env.update(world_lib.replica_environment(rank, num_replicas, store.port, "reexec",
+                                                 timeout_seconds))
+        env.setdefault("OMP_NUM_THREADS", str(threads))
+        children[rank] = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(threads)
+    _Supervisor(children)
+    return world_lib.World(rank=0, world_size=num_replicas, local_rank=0,
+                           local_world_size=num_replicas, launcher="reexec",
+                           master_addr="127.0.0.1", master_port=store.port, store=store)

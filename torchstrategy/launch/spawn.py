@@ -1,0 +1,181 @@
+"""`ts.launch`: run a function as N replicas in fresh processes (notebooks, tests)."""
+import datetime
+import os
+import pickle
+import sys
+import traceback
+import multiprocessing
+from multiprocessing import connection
+
+import torch.distributed as dist
+
+from torchstrategy.launch import world as world_lib
+
+_TERMINATE_GRACE_SECONDS = 5.0
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in a replica process (attached as __cause__)."""
+
+    def __init__(self, text):
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self):
+        return self.text
+
+
+class ReplicaFailed(RuntimeError):
+    """A replica process died without reporting an exception (killed, os._exit, crash)."""
+
+
+def _replica_main(fn, args, kwargs, rank, num_replicas, port, timeout, conn):
+    os.environ.update(world_lib.replica_environment(rank, num_replicas, port, "launch",
+                                                    timeout))
+    import torch
+
+    torch.set_num_threads(world_lib.threads_per_replica(num_replicas))
+    try:
+        result = fn(*args, **kwargs)
+        try:
+            conn.send_bytes(pickle.dumps(("ok", rank, result)))
+        except Exception as error:  # the result could not be pickled
+            raise TypeError(f"ts.launch: replica {rank}'s return value could not be sent "
+                            f"back ({error}); return picklable values.") from error
+    except BaseException as error:  # report everything, KeyboardInterrupt included
+        text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        try:
+            payload = pickle.dumps(error)
+        except Exception:
+            payload = None
+        try:
+            conn.send_bytes(pickle.dumps(
+                ("error", rank, (type(error).__name__, str(error), text, payload))))
+        finally:
+            sys.stderr.flush()
+            os._exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    conn.close()
+
+
+def _check_picklable(fn, args, kwargs):
+    try:
+        pickle.dumps((fn, args, kwargs))
+    except Exception as error:
+        raise TypeError(
+            f"ts.launch needs a picklable function and arguments ({error}). Define the "
+            "function at module level (not a lambda or a nested function) and, in a script, "
+            "call ts.launch under `if __name__ == '__main__':`.") from None
+
+
+def _terminate(processes):
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(_TERMINATE_GRACE_SECONDS)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def _raise_replica_error(rank, info):
+    name, message, text, payload = info
+    error = None
+    if payload is not None:
+        try:
+            error = pickle.loads(payload)
+        except Exception:
+            error = None
+    remote = RemoteTraceback(f"\n\nReplica {rank} raised:\n\n{text}")
+    if isinstance(error, BaseException):
+        raise error from remote
+    raise RuntimeError(f"Replica {rank} raised {name}: {message}") from remote
+
+
+def launch(fn, *args, num_replicas, timeout_seconds=None, start_method="forkserver",
+           **kwargs):
+    """Runs ``fn(*args, **kwargs)`` in `num_replicas` fresh processes, one replica each.
+
+    Inside `fn`, ``ts.MirroredStrategy()`` joins the launched world (replica ids 0..N-1,
+    gloo on CPU, NCCL on GPU). Every process group is bounded by `timeout_seconds` (default
+    $TORCHSTRATEGY_TIMEOUT_SECONDS or 30 minutes).
+
+    Returns:
+      Replica 0's return value (it must be picklable).
+
+    Raises:
+      The first exception raised by any replica (its traceback attached as the cause); the
+      other replicas are terminated at once. `ReplicaFailed` if a replica died without an
+      exception (killed, crashed).
+    """
+    if not isinstance(num_replicas, int) or num_replicas < 1:
+        raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}.")
+    timeout = world_lib.timeout_seconds(timeout_seconds)
+    _check_picklable(fn, args, kwargs)
+    context = multiprocessing.get_context(start_method)
+    if start_method == "forkserver":
+        # The server imports torch once; each replica then forks from it in milliseconds.
+        context.set_forkserver_preload(["torchstrategy"])
+    store = dist.TCPStore("127.0.0.1", 0, num_replicas, is_master=True,
+                          wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    processes, readers = [], {}
+    try:
+        for rank in range(num_replicas):
+            reader, writer = context.Pipe(duplex=False)
+            process = context.Process(
+                target=_replica_main, name=f"torchstrategy-replica-{rank}",
+                args=(fn, args, kwargs, rank, num_replicas, store.port, timeout, writer))
+            process.start()
+            writer.close()
+            processes.append(process)
+            readers[reader] = rank
+        return _collect(processes, readers)
+    finally:
+        _terminate(processes)
+        del store
+
+
+def _collect(processes, readers):
+    results = {}
+    pending = dict(readers)
+    sentinels = {p.sentinel: rank for rank, p in enumerate(processes)}
+    reported = set()
+    while len(results) < len(processes):
+        ready = connection.wait(list(pending) + list(sentinels), timeout=0.5)
+        for item in ready:
+            if item in pending:
+                rank = pending.pop(item)
+                try:
+                    # Plain pickle, not torch's shared-memory reducers: the sender may be gone by
+                    # the time the result is read.
+                    status, rank, payload = pickle.loads(item.recv_bytes())
+                except EOFError:
+                    processes[rank].join(_TERMINATE_GRACE_SECONDS)
+                    _terminate(processes)
+                    code = processes[rank].exitcode
+                    raise ReplicaFailed(f"Replica {rank} ended (exit code {code}) without "
+                                        "returning a result or reporting an error.") from None
+                reported.add(rank)
+                if status == "error":
+                    _terminate(processes)
+                    _raise_replica_error(rank, payload)
+                results[rank] = payload
+            elif item in sentinels:
+                rank = sentinels.pop(item)
+                process = processes[rank]
+                process.join()
+                # Give a just-sent report a moment to be read before judging the exit.
+                reader = next((r for r, k in pending.items() if k == rank), None)
+                if reader is not None and reader.poll(1.0):
+                    continue
+                if rank not in reported:
+                    _terminate(processes)
+                    code = process.exitcode
+                    how = (f"was killed by signal {-code}" if code < 0
+                           else f"exited with code {code}")
+                    raise ReplicaFailed(f"Replica {rank} {how} without reporting an error.")
+    return results[0]

@@ -1,0 +1,106 @@
+"""The world this process belongs to: its rank, the number of replicas, who launched it.
+
+Three launchers are recognised, in this order:
+
+1. ``ts.launch`` and the re-execution launcher set ``TORCHSTRATEGY_LAUNCHER`` together
+   with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+   MASTER_PORT), so code that reads those works the same under every launcher.
+2. torchrun (torch.distributed.run), recognised by its variables.
+3. Otherwise the process is alone: a plain ``python train.py``.
+"""
+import dataclasses
+import os
+from typing import Any, Optional
+
+LAUNCHER_ENV = "TORCHSTRATEGY_LAUNCHER"
+TIMEOUT_ENV = "TORCHSTRATEGY_TIMEOUT_SECONDS"
+PARENT_PID_ENV = "TORCHSTRATEGY_PARENT_PID"
+DEFAULT_TIMEOUT_SECONDS = 1800.0
+
+
+@dataclasses.dataclass
+class World:
+    """This process's place among the replicas.
+
+    Attributes:
+      rank: global replica id of this process.
+      world_size: number of processes (one replica each).
+      local_rank / local_world_size: the same on this machine.
+      launcher: "single", "torchrun", "reexec" or "launch".
+      master_addr / master_port: the rendezvous store's address.
+      store: the rendezvous TCPStore when this process hosts it (re-execution's replica 0).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    launcher: str = "single"
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    store: Optional[Any] = None
+
+
+def _int_env(name, default=None):
+    value = os.environ.get(name)
+    if value is None:
+        if default is None:
+            raise RuntimeError(f"Environment variable {name} is missing.")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise RuntimeError(f"Environment variable {name}={value!r} is not an integer.") from None
+
+
+def under_torchrun():
+    """True when torchrun (or another launcher setting its variables) started this process."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return True
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
+
+
+def from_environment():
+    """The `World` described by the environment, or None for a plain process."""
+    launcher = os.environ.get(LAUNCHER_ENV)
+    if launcher is None and not under_torchrun():
+        return None
+    world_size = _int_env("WORLD_SIZE")
+    local_world_size = _int_env("LOCAL_WORLD_SIZE", world_size)
+    return World(rank=_int_env("RANK"), world_size=world_size,
+                 local_rank=_int_env("LOCAL_RANK", _int_env("RANK")),
+                 local_world_size=local_world_size,
+                 launcher=launcher or "torchrun",
+                 master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                 master_port=_int_env("MASTER_PORT", 0))
+
+
+def timeout_seconds(explicit=None):
+    """The collective timeout: `explicit`, else $TORCHSTRATEGY_TIMEOUT_SECONDS, else 30 min."""
+    if explicit is not None:
+        value = float(explicit)
+    else:
+        value = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_SECONDS))
+    if value <= 0:
+        raise ValueError(f"The timeout must be positive, got {value} seconds.")
+    return value
+
+
+def replica_environment(rank, world_size, port, launcher, timeout):
+    """The environment variables a launched replica receives (torchrun's names plus ours)."""
+    env = {
+        "RANK": str(rank), "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        LAUNCHER_ENV: launcher, TIMEOUT_ENV: repr(float(timeout)),
+        PARENT_PID_ENV: str(os.getpid()),
+    }
+    return env
+
+
+def threads_per_replica(local_world_size):
+    """Intra-op threads for each of `local_world_size` CPU processes sharing this machine:
+    the cores divided between them, so replicas do not oversubscribe the CPU."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return int(os.environ["OMP_NUM_THREADS"])
+    return max(1, (os.cpu_count() or 1) // max(1, local_world_size))

@@ -1,0 +1,65 @@
+"""Loss scaling for SUM-gradient semantics: `compute_average_loss`, `scale_regularization_loss`.
+
+Under a strategy, ``backward()`` *sums* gradients over replicas (TensorFlow's semantics).
+Dividing each replica's summed per-example loss by the *global* batch size makes that sum
+the gradient of the global-batch mean loss, exactly as single-device training computes it.
+"""
+import torch
+
+from torchstrategy import context
+from torchstrategy.reduce_op import ReduceOp
+
+
+def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size=None):
+    """Scales per-example losses by the global batch size: ``sum(loss * weight) / B``.
+
+    Args:
+      per_example_loss: tensor of shape [local_batch, ...] (use ``reduction="none"``).
+      sample_weight: optional weights, broadcastable to `per_example_loss`.
+      global_batch_size: B. If None, B is the sum of the local batch sizes of all replicas,
+        found with one small all-reduce in replica context (exact for an uneven last batch);
+        pass it explicitly to avoid that collective.
+
+    Returns:
+      A scalar tensor; summed over replicas it is the global-batch mean loss.
+
+    Raises:
+      ValueError: a scalar `per_example_loss`, or a non-positive `global_batch_size`.
+    """
+    if not isinstance(per_example_loss, torch.Tensor):
+        per_example_loss = torch.as_tensor(per_example_loss)
+    if per_example_loss.dim() == 0:
+        raise ValueError("compute_average_loss needs per-example losses (shape [batch, ...]); "
+                         "got a scalar. Compute the loss with reduction='none'.")
+    if sample_weight is not None:
+        per_example_loss = per_example_loss * sample_weight
+    if per_example_loss.dim() > 1:
+        per_example_loss = per_example_loss.reshape(per_example_loss.shape[0], -1).mean(dim=1)
+    if global_batch_size is None:
+        local = per_example_loss.shape[0]
+        replica = context.get_replica_context()
+        if replica is not None and replica.num_replicas_in_sync > 1:
+            count = torch.tensor(float(local), device=per_example_loss.device)
+            global_batch_size = float(replica.all_reduce(ReduceOp.SUM, count).item())
+        else:
+            global_batch_size = local * _num_replicas()
+    if isinstance(global_batch_size, torch.Tensor):
+        global_batch_size = global_batch_size.item()
+    if global_batch_size <= 0:
+        if per_example_loss.numel() == 0:
+            return per_example_loss.sum()
+        raise ValueError(f"global_batch_size must be positive, got {global_batch_size}.")
+    return per_example_loss.sum() / global_batch_size
+
+
+def scale_regularization_loss(regularization_loss):
+    """Divides a regularisation loss (e.g. an L2 term) by the number of replicas, so that
+    summing gradients over replicas adds it once."""
+    return regularization_loss / _num_replicas()
+
+
+def _num_replicas():
+    replica = context.get_replica_context()
+    if replica is not None:
+        return replica.num_replicas_in_sync
+    return context.get_strategy().num_replicas_in_sync

@@ -1,0 +1,38 @@
+"""`ReduceOp`: how values from several replicas are combined, as in tf.distribute."""
+import enum
+
+
+class ReduceOp(enum.Enum):
+    """How per-replica values are combined: ``SUM`` or ``MEAN``.
+
+    Anywhere a reduce op is taken, the strings ``"SUM"`` and ``"MEAN"`` (any case) are
+    accepted too.
+    """
+
+    SUM = "SUM"
+    MEAN = "MEAN"
+
+    @staticmethod
+    def from_variable_aggregation(aggregation):
+        """The reduce op matching a `VariableAggregation` (SUM or MEAN), as TensorFlow maps it."""
+        from torchstrategy.variables import VariableAggregation
+
+        mapping = {VariableAggregation.SUM: ReduceOp.SUM, VariableAggregation.MEAN: ReduceOp.MEAN}
+        if aggregation not in mapping:
+            raise ValueError(f"Could not convert from `VariableAggregation` {aggregation} to "
+                             "`ReduceOp`: only SUM and MEAN have one.")
+        return mapping[aggregation]
+
+
+def as_reduce_op(op):
+    """Returns `op` as a `ReduceOp`; accepts a `ReduceOp` or "SUM"/"MEAN" in any case.
+
+    Raises:
+      ValueError: naming the accepted values, for anything else.
+    """
+    if isinstance(op, ReduceOp):
+        return op
+    if isinstance(op, str) and op.upper() in ReduceOp.__members__:
+        return ReduceOp[op.upper()]
+    raise ValueError(f"Unknown reduce op {op!r}: use ts.ReduceOp.SUM or ts.ReduceOp.MEAN "
+                     "(or the strings 'SUM' / 'MEAN').")

@@ -1,0 +1,70 @@
+"""`ReplicaContext`: what code inside ``strategy.run`` can ask of its replica."""
+from torchstrategy import context, values
+
+
+class ReplicaContext:
+    """The context of one replica while ``strategy.run`` executes it.
+
+    Obtained with ``ts.get_replica_context()``. Every collective here (`all_reduce`,
+    `all_gather`, `merge_call`) must be called by every replica, in the same order, as with
+    any SPMD collective; each is bounded by the strategy's timeout.
+    """
+
+    def __init__(self, strategy, replica_id_in_sync_group, device):
+        self._strategy = strategy
+        self._replica_id = replica_id_in_sync_group
+        self._device = device
+
+    @property
+    def strategy(self):
+        return self._strategy
+
+    @property
+    def replica_id_in_sync_group(self):
+        """This replica's index in ``range(num_replicas_in_sync)`` (a Python int)."""
+        return self._replica_id
+
+    @property
+    def num_replicas_in_sync(self):
+        return self._strategy.num_replicas_in_sync
+
+    @property
+    def device(self):
+        """The `torch.device` this replica computes on."""
+        return self._device
+
+    @property
+    def devices(self):
+        return (self._device,)
+
+    def all_reduce(self, reduce_op, value, options=None):
+        """Reduces `value` (a tensor or nested structure of tensors) across replicas and
+        returns the result, identical on every replica, on this replica's device.
+
+        All tensors of a structure travel in one fused collective per dtype.
+        """
+        return self._strategy.extended._all_reduce_local(reduce_op, value)
+
+    def all_gather(self, value, axis, options=None):
+        """Concatenates `value` (tensor or structure) from every replica along `axis`, in
+        replica order. Sizes along `axis` may differ between replicas."""
+        return self._strategy.extended._all_gather_local(value, axis)
+
+    def merge_call(self, merge_fn, args=(), kwargs=None):
+        """Calls ``merge_fn(strategy, *args, **kwargs)`` in cross-replica context.
+
+        As in TensorFlow, the arguments reach `merge_fn` as distributed values (PerReplica)
+        so that it can call ``strategy.reduce`` / ``strategy.extended.reduce_to`` on them;
+        distributed values in its result are returned to the replica as local values.
+        """
+        kwargs = kwargs or {}
+        ids = (self._replica_id,)
+        args = values.wrap(args, ids)
+        kwargs = values.wrap(kwargs, ids)
+        with context.enter(self._strategy, None):
+            result = merge_fn(self._strategy, *args, **kwargs)
+        return values.local_component(result)
+
+    def __repr__(self):
+        return (f"ReplicaContext(replica_id_in_sync_group={self._replica_id}, "
+                f"num_replicas_in_sync={self.num_replicas_in_sync})")

@@ -1,0 +1,1 @@
+"""The strategies: one module each, on the shared base in `base`."""

@@ -1,0 +1,24 @@
+"""`OneDeviceStrategy`: variables, computation and input on one device."""
+from torchstrategy.collectives.communicator import Communicator
+from torchstrategy.collectives.cross_device_ops import NcclAllReduce
+from torchstrategy.devices import parse_devices
+from torchstrategy.strategies.base import Strategy, StrategyExtended
+
+
+class OneDeviceStrategy(Strategy):
+    """Runs everything on `device` ("cpu", "cuda:1", a torch.device, or TF's "/gpu:0").
+
+    One replica: modules created in ``scope()`` land on `device`, distributed input is moved
+    there, ``run`` returns plain values. Useful to test code written for a strategy before
+    switching to a distributed one.
+    """
+
+    def __init__(self, device):
+        (parsed,) = parse_devices([device])
+        torch_device = parsed.torch_device
+        communicator = Communicator(None, 0, 1, torch_device, NcclAllReduce())
+        super().__init__(StrategyExtended(self, communicator, torch_device))
+        self._device_name = parsed.name
+
+    def __repr__(self):
+        return f"OneDeviceStrategy(device={self._device_name!r})"

@@ -1,0 +1,94 @@
+"""Distributed values: `PerReplica` and `Mirrored`, as in tf.distribute.
+
+In torchstrategy's SPMD model each process hosts one replica (per-host strategies host
+several), so a distributed value holds the components of the replicas *this process* runs,
+keyed by their replica ids. ``experimental_local_results`` returns them as a tuple.
+"""
+from torchstrategy import nest
+
+
+class DistributedValues:
+    """Base class: one component per local replica.
+
+    Attributes:
+      values: tuple of the local replicas' components, in replica-id order.
+      replica_ids: tuple of the replica ids those components belong to.
+    """
+
+    def __init__(self, values, replica_ids=None):
+        values = tuple(values)
+        if not values:
+            raise ValueError(f"{type(self).__name__} needs at least one component.")
+        if replica_ids is None:
+            replica_ids = tuple(range(len(values)))
+        replica_ids = tuple(replica_ids)
+        if len(replica_ids) != len(values):
+            raise ValueError(f"{len(values)} components but {len(replica_ids)} replica ids.")
+        self._values = values
+        self._replica_ids = replica_ids
+
+    @property
+    def values(self):
+        return self._values
+
+    @property
+    def replica_ids(self):
+        return self._replica_ids
+
+    def _component(self, replica_id):
+        return self._values[self._replica_ids.index(replica_id)]
+
+    def __repr__(self):
+        body = ", ".join(f"{r}: {v!r}" for r, v in zip(self._replica_ids, self._values))
+        return f"{type(self).__name__}:{{{body}}}"
+
+    __str__ = __repr__
+
+
+class PerReplica(DistributedValues):
+    """Values that may differ between replicas (losses, batches, outputs of `run`)."""
+
+
+class Mirrored(DistributedValues):
+    """Values that are the same on every replica (results of all-reduce, mirrored state)."""
+
+
+def wrap(structure, replica_ids, kind=PerReplica):
+    """Wraps every non-None leaf of a structure computed by the local replica(s).
+
+    `structure` is the result of one local replica when ``len(replica_ids) == 1``; with
+    several local replicas pass a list of structures (one per replica) and they are zipped.
+    """
+    if len(replica_ids) == 1:
+        return nest.map_structure(
+            lambda leaf: leaf if leaf is None else kind((leaf,), replica_ids), structure)
+    leaves_per_replica = []
+    spec = None
+    for s in structure:
+        leaves, spec = nest.flatten(s)
+        leaves_per_replica.append(leaves)
+    zipped = [None if parts[0] is None else kind(parts, replica_ids)
+              for parts in zip(*leaves_per_replica)]
+    return nest.pack(spec, zipped)
+
+
+def local_component(structure, index=0):
+    """Replaces every distributed value in `structure` by its `index`-th local component.
+
+    Non-distributed leaves are returned unchanged: they are the same for every replica.
+    """
+    def pick(leaf):
+        if isinstance(leaf, DistributedValues):
+            if index >= len(leaf.values):
+                raise ValueError(f"{type(leaf).__name__} has {len(leaf.values)} local "
+                                 f"component(s); no component {index}.")
+            return leaf.values[index]
+        return leaf
+    return nest.map_structure(pick, structure)
+
+
+def local_results(value):
+    """The tuple of local components of `value` (a 1-tuple for a non-distributed value)."""
+    if isinstance(value, DistributedValues):
+        return value.values
+    return (value,)

@@ -1,0 +1,285 @@
+"""Variables with tf.distribute's synchronisation and aggregation semantics.
+
+``ts.Variable(value)`` made inside a strategy's scope is a `MirroredVariable` (the same
+value on every replica, kept so by aggregating updates) or, with
+``synchronization=ON_READ``, a `SyncOnReadVariable` (each replica updates its own copy;
+reading it in cross-replica context aggregates the copies: metrics, counters).
+
+A variable wraps a torch tensor (`tensor`; an ``nn.Parameter`` when trainable, so it can be
+handed to an optimizer and gets its gradient summed like any mirrored parameter). Torch
+functions and Python operators accept a variable wherever they accept a tensor.
+"""
+import enum
+
+import torch
+
+from torchstrategy import context
+from torchstrategy.reduce_op import ReduceOp
+
+
+class VariableAggregation(enum.Enum):
+    """How updates made in replica context are combined: NONE (each replica keeps its own
+    update), SUM, MEAN, ONLY_FIRST_REPLICA (replica 0's update is applied everywhere)."""
+
+    NONE = "NONE"
+    SUM = "SUM"
+    MEAN = "MEAN"
+    ONLY_FIRST_REPLICA = "ONLY_FIRST_REPLICA"
+
+
+class VariableSynchronization(enum.Enum):
+    """When copies are synchronised: AUTO/ON_WRITE (mirrored: at every update), ON_READ
+    (when read in cross-replica context), NONE (never: a per-replica variable)."""
+
+    AUTO = "AUTO"
+    NONE = "NONE"
+    ON_WRITE = "ON_WRITE"
+    ON_READ = "ON_READ"
+
+
+def _as_enum(kind, value, name):
+    if isinstance(value, kind):
+        return value
+    if isinstance(value, str) and value.upper() in kind.__members__:
+        return kind[value.upper()]
+    raise ValueError(f"Unknown {name} {value!r}: use one of "
+                     f"{', '.join('ts.' + kind.__name__ + '.' + m for m in kind.__members__)}.")
+
+
+def _in_replica_context_of(strategy):
+    replica = context.get_replica_context()
+    return replica is not None and context.in_run() and replica.strategy is strategy
+
+
+class Variable:
+    """A variable of the current strategy (see the module docstring).
+
+    Args:
+      initial_value: tensor, array or number (or a callable returning one).
+      trainable: whether it takes part in training (default: True unless ON_READ).
+      name: a name for printing and checkpoints.
+      dtype: optional dtype to convert the initial value to.
+      aggregation: a `VariableAggregation` (or its name).
+      synchronization: a `VariableSynchronization` (or its name).
+
+    Raises:
+      ValueError: unknown enum values, or ON_READ with aggregation NONE or trainable=True.
+    """
+
+    def __new__(cls, *args, **kwargs):
+        if cls is Variable:
+            sync = kwargs.get("synchronization", VariableSynchronization.AUTO)
+            sync = _as_enum(VariableSynchronization, sync, "synchronization")
+            cls = SyncOnReadVariable if sync is VariableSynchronization.ON_READ \
+                else MirroredVariable
+        return object.__new__(cls)
+
+    def __init__(self, initial_value, trainable=None, name=None, dtype=None,
+                 aggregation=VariableAggregation.NONE,
+                 synchronization=VariableSynchronization.AUTO):
+        self._aggregation = _as_enum(VariableAggregation, aggregation, "aggregation")
+        self._synchronization = _as_enum(VariableSynchronization, synchronization,
+                                         "synchronization")
+        if callable(initial_value):
+            initial_value = initial_value()
+        self._strategy = context.get_strategy()
+        device = self._strategy.extended.torch_device or torch.device("cpu")
+        value = torch.as_tensor(initial_value, dtype=dtype).detach().clone().to(device)
+        if trainable is None:
+            trainable = self._synchronization is not VariableSynchronization.ON_READ
+        self._check(trainable)
+        self._trainable = bool(trainable) and (value.is_floating_point() or value.is_complex())
+        self._tensor = torch.nn.Parameter(value, requires_grad=True) if self._trainable \
+            else value
+        self._name = name or "Variable"
+        if context.has_strategy():
+            self._strategy.extended._mirrored.add_tensor(self._tensor, self._trainable)
+
+    def _check(self, trainable):
+        pass
+
+    # -- reading -------------------------------------------------------------------------
+    @property
+    def tensor(self):
+        """The underlying tensor (an ``nn.Parameter`` when trainable)."""
+        return self._tensor
+
+    def read_value(self):
+        """The variable's value as a tensor (see the subclasses for cross-replica reads)."""
+        return self._tensor
+
+    def value(self):
+        return self.read_value()
+
+    def numpy(self):
+        return self.read_value().detach().cpu().numpy()
+
+    @property
+    def name(self):
+        return self._name
+
+    @property
+    def trainable(self):
+        return self._trainable
+
+    @property
+    def aggregation(self):
+        return self._aggregation
+
+    @property
+    def synchronization(self):
+        return self._synchronization
+
+    @property
+    def dtype(self):
+        return self._tensor.dtype
+
+    @property
+    def shape(self):
+        return self._tensor.shape
+
+    @property
+    def device(self):
+        return self._tensor.device
+
+    # -- writing -------------------------------------------------------------------------
+    def _write(self, new_value):
+        with torch.no_grad():
+            self._tensor.copy_(torch.as_tensor(new_value, dtype=self._tensor.dtype,
+                                               device=self._tensor.device))
+        return self
+
+    def assign(self, value):
+        raise NotImplementedError("abstract: MirroredVariable and SyncOnReadVariable assign")
+
+    def assign_add(self, delta):
+        raise NotImplementedError("abstract: MirroredVariable and SyncOnReadVariable assign")
+
+    def assign_sub(self, delta):
+        return self.assign_add(-torch.as_tensor(delta))
+
+    # -- behaving like a tensor ------------------------------------------------------------
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        def unwrap(x):
+            return x.read_value() if isinstance(x, Variable) else x
+        args = torch.utils._pytree.tree_map(unwrap, args)
+        kwargs = torch.utils._pytree.tree_map(unwrap, kwargs or {})
+        return func(*args, **kwargs)
+
+    def __array__(self, dtype=None):
+        array = self.numpy()
+        return array if dtype is None else array.astype(dtype)
+
+    def __float__(self):
+        return float(self.read_value())
+
+    def __int__(self):
+        return int(self.read_value())
+
+    def __bool__(self):
+        return bool(self.read_value())
+
+    def __repr__(self):
+        return (f"{type(self).__name__}(name={self._name!r}, "
+                f"aggregation={self._aggregation.name}, value={self.read_value()!r})")
+
+
+def _binary(name):
+    def method(self, other):
+        return getattr(self.read_value(), name)(
+            other.read_value() if isinstance(other, Variable) else other)
+    method.__name__ = name
+    return method
+
+
+for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+              "__truediv__", "__rtruediv__", "__floordiv__", "__pow__", "__matmul__",
+              "__rmatmul__", "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__",
+              "__getitem__"):
+    setattr(Variable, _name, _binary(_name))
+Variable.__neg__ = lambda self: -self.read_value()
+Variable.__hash__ = object.__hash__
+
+
+class MirroredVariable(Variable):
+    """The same value on every replica.
+
+    In replica context (inside ``run``) an update is aggregated across replicas by the
+    variable's aggregation before it is applied: SUM adds up the replicas' updates, MEAN
+    averages them, ONLY_FIRST_REPLICA applies replica 0's, NONE applies each replica's own
+    (the copies may then differ). In cross-replica context an update is applied as given
+    (every replica runs the same code with the same value).
+    """
+
+    def _aggregated(self, value):
+        value = torch.as_tensor(value, dtype=self._tensor.dtype, device=self._tensor.device)
+        if not _in_replica_context_of(self._strategy) or \
+                self._strategy.num_replicas_in_sync == 1:
+            return value
+        comm = self._strategy.extended.communicator
+        if self._aggregation is VariableAggregation.SUM:
+            return comm.all_reduce([value], ReduceOp.SUM)[0]
+        if self._aggregation is VariableAggregation.MEAN:
+            return comm.all_reduce([value], ReduceOp.MEAN)[0]
+        if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+            value = value.clone()
+            comm.broadcast_([value], src=0)
+        return value
+
+    def assign(self, value):
+        """Sets the value (aggregated across replicas in replica context); returns self."""
+        return self._write(self._aggregated(value))
+
+    def assign_add(self, delta):
+        """Adds `delta` (aggregated across replicas in replica context); returns self."""
+        return self._write(self._tensor.detach() + self._aggregated(delta))
+
+
+class SyncOnReadVariable(Variable):
+    """Each replica updates its own copy; reading in cross-replica context aggregates.
+
+    Reading (``read_value()``, torch ops, printing) outside ``run`` all-reduces the copies
+    by the aggregation (SUM, MEAN, or replica 0's for ONLY_FIRST_REPLICA), so every replica
+    must read at the same point. In cross-replica context ``assign(v)`` sets the copies so
+    that they aggregate to `v` (each gets v / N for SUM).
+    """
+
+    def _check(self, trainable):
+        if self._aggregation is VariableAggregation.NONE:
+            raise ValueError("A SyncOnReadVariable (synchronization=ON_READ) needs an "
+                             "aggregation: SUM, MEAN or ONLY_FIRST_REPLICA.")
+        if trainable:
+            raise ValueError("A SyncOnReadVariable (synchronization=ON_READ) cannot be "
+                             "trainable; pass trainable=False.")
+
+    def _cross_replica(self):
+        return not _in_replica_context_of(self._strategy) and \
+            self._strategy.num_replicas_in_sync > 1
+
+    def read_value(self):
+        if not self._cross_replica():
+            return self._tensor
+        comm = self._strategy.extended.communicator
+        if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+            value = self._tensor.clone()
+            comm.broadcast_([value], src=0)
+            return value
+        op = ReduceOp.SUM if self._aggregation is VariableAggregation.SUM else ReduceOp.MEAN
+        return comm.all_reduce([self._tensor], op)[0]
+
+    def _local_share(self, value):
+        value = torch.as_tensor(value, dtype=self._tensor.dtype, device=self._tensor.device)
+        if self._cross_replica() and self._aggregation is VariableAggregation.SUM:
+            value = value / self._strategy.num_replicas_in_sync
+        return value
+
+    def assign(self, value):
+        return self._write(self._local_share(value))
+
+    def assign_add(self, delta):
+        return self._write(self._tensor + self._local_share(delta))
+
+    def __repr__(self):
+        return (f"SyncOnReadVariable(name={self._name!r}, "
+                f"aggregation={self._aggregation.name}, local={self._tensor!r})")
