@@ -50,10 +50,8 @@ class InputOptions:
     """Options for distributed input.
 
     Attributes:
-      experimental_fetch_to_device: move each batch to the replica's device (default True).
-      experimental_per_replica_buffer_size: batches prefetched onto the device ahead of
-        the one being consumed (CUDA only; copies overlap computation).
+      experimental_fetch_to_device: move each batch to the replica's device (default True);
+        False leaves batches where the loader produced them.
     """
 
     experimental_fetch_to_device: bool = True
-    experimental_per_replica_buffer_size: int = 1
