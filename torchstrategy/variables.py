@@ -172,13 +172,13 @@ class Variable:
         return array if dtype is None else array.astype(dtype)
 
     def __float__(self):
-        return float(self.read_value())
+        return float(self.read_value().detach())
 
     def __int__(self):
-        return int(self.read_value())
+        return int(self.read_value().detach())
 
     def __bool__(self):
-        return bool(self.read_value())
+        return bool(self.read_value().detach())
 
     def __repr__(self):
         return (f"{type(self).__name__}(name={self._name!r}, "

@@ -94,7 +94,10 @@ class GradientReducer:
         self._buckets = []
         self._hooks = []
         self._sync = True
-        self._local_pending = False   # a no_sync backward accumulated local gradients
+        # ids of the parameters that accumulated local gradients under no_sync since the
+        # last synchronised backward (per parameter: a .grad of another parameter was
+        # already summed and must not be summed again).
+        self._local_ids = set()
         self._queued = False
         self._next_launch = 0
         self._stash = {}           # id(param) -> (param, .grad kept from before backward)
@@ -159,7 +162,7 @@ class GradientReducer:
             # Runs before autograd adds this backward's gradient to param.grad. A gradient
             # already there was summed by the previous synchronised backward: set it aside
             # so that only the new gradient is summed, and add it back afterwards.
-            if self._sync and param.grad is not None and not self._local_pending:
+            if self._sync and param.grad is not None and id(param) not in self._local_ids:
                 self._stash[id(param)] = (param, param.grad)
                 param.grad = None
                 self._queue_finalize()
@@ -173,7 +176,7 @@ class GradientReducer:
 
     def _on_grad_ready(self, param):
         if not self._sync:
-            self._local_pending = True
+            self._local_ids.add(id(param))
             return
         self._queue_finalize()
         self._any_ready = True
@@ -199,7 +202,7 @@ class GradientReducer:
         param = bucket.params[position]
         if bucket.ready[position]:
             return param.grad
-        if self._local_pending and param.grad is not None:
+        if id(param) in self._local_ids and param.grad is not None:
             return param.grad  # accumulated under no_sync, not yet summed
         return None
 
@@ -229,7 +232,7 @@ class GradientReducer:
                 for bucket in self._buckets:
                     bucket.work.wait()
                     self._unpack(bucket)
-                self._local_pending = False
+                self._local_ids.clear()
             # Gradients set aside for a backward that accumulated nothing (autograd.grad).
             for param, kept in self._stash.values():
                 param.grad = kept if param.grad is None else param.grad + kept
@@ -259,7 +262,8 @@ class GradientReducer:
                 continue
             start = bucket.offsets[position]
             total = bucket.flat[start:start + bucket.numels[position]].view_as(param)
-            if bucket.ready[position] or (self._local_pending and param.grad is not None):
+            if bucket.ready[position] or (id(param) in self._local_ids
+                                          and param.grad is not None):
                 param.grad.copy_(total)       # .grad held this replica's contribution
                 if kept is not None:
                     param.grad.add_(kept)

@@ -376,7 +376,9 @@ def _check_not_mixing(strategy):
 
 
 def _require_cross_replica(name):
-    if context.in_run():
+    # Replica context of a run (merge_call's merge_fn runs in cross-replica context, where
+    # strategy.reduce / gather are allowed, as in TensorFlow).
+    if context.get_replica_context() is not None and context.in_run():
         raise RuntimeError(f"strategy.{name} must be called in cross-replica context "
                            "(outside strategy.run). Inside run, use "
                            f"ts.get_replica_context().all_{'reduce' if name == 'reduce' else 'gather'}(...).")
