@@ -8,13 +8,36 @@ import os
 import tempfile
 
 import torch
+import torch.distributed as dist
 
 from torchstrategy import context
 
 
+class _ProcessGroupFacts:
+    """Outside any scope in a multi-replica program (the usual place for checkpointing)
+    the default strategy is active, yet this process is still one replica of the launched
+    world: take the rank, the barrier and the device from torch.distributed."""
+
+    def __init__(self):
+        self.replica_id = dist.get_rank()
+        nccl = dist.get_backend() == "nccl" and torch.cuda.is_available()
+        self.torch_device = torch.device("cuda", torch.cuda.current_device()) if nccl \
+            else torch.device("cpu")
+        self.communicator = self
+
+    def barrier(self):
+        if self.torch_device.type == "cuda":
+            dist.barrier(device_ids=[self.torch_device.index])
+        else:
+            dist.barrier()
+
+
 def _strategy_facts():
-    strategy = context.get_strategy()
-    ext = strategy.extended
+    if not context.has_strategy() and dist.is_available() and dist.is_initialized() \
+            and dist.get_world_size() > 1:
+        ext = _ProcessGroupFacts()
+    else:
+        ext = context.get_strategy().extended
     return ext, ext.replica_id == 0
 
 
