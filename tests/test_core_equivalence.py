@@ -1,7 +1,8 @@
 """N replicas under MirroredStrategy train exactly like one device on the same global batches.
 
 Each replica takes slice r of every global batch (``torch.tensor_split`` along dim 0; the
-global batch of 10 splits unevenly over 4 replicas: 3, 3, 2, 2), scales its loss with
+global batch of 10 splits unevenly over 4 replicas: 3, 3, 2, 2, and a short last batch of 3
+leaves replica 3 an empty slice), scales its loss with
 ``ts.compute_average_loss(..., global_batch_size=B)`` and its L2 term with
 ``ts.scale_regularization_loss``; the summed gradients then equal single-device gradients.
 """
@@ -15,6 +16,7 @@ from core_helpers import assert_same_tensors, detached_state, from_every_replica
 
 STEPS = 20
 B = 10
+LAST_B = 3  # a short last global batch after the STEPS full ones
 D_IN, D_HIDDEN, D_OUT = 6, 16, 3
 L2 = 1e-3
 REFERENCE_SEED = 1000  # replica r seeds REFERENCE_SEED + r; replica 0's init is broadcast
@@ -33,10 +35,11 @@ def make_model():
 
 
 def make_data():
+    """STEPS global batches of B examples, then one of LAST_B."""
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(STEPS, B, D_IN, generator=g)
-    y = torch.randint(0, D_OUT, (STEPS, B), generator=g)
-    return x, y
+    x = torch.randn(STEPS * B + LAST_B, D_IN, generator=g)
+    y = torch.randint(0, D_OUT, (STEPS * B + LAST_B,), generator=g)
+    return list(zip(torch.split(x, B), torch.split(y, B)))
 
 
 def l2_term(model):
@@ -49,10 +52,9 @@ def single_device_training(variant):
     model = make_model()
     optimizer = make_optimizer(model.parameters())
     init = detached_state(model)
-    x, y = make_data()
     losses = []
-    for step in range(STEPS):
-        loss = F.cross_entropy(model(x[step]), y[step]) + l2_term(model)
+    for x, y in make_data():
+        loss = F.cross_entropy(model(x), y) + l2_term(model)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -64,7 +66,7 @@ def _replica_training(variants):
     strategy = ts.MirroredStrategy()
     rank = strategy.extended.replica_id
     n = strategy.num_replicas_in_sync
-    x, y = make_data()
+    batches = make_data()
     out = {}
     for variant in variants:
         make_optimizer, explicit_batch = VARIANTS[variant]
@@ -75,10 +77,10 @@ def _replica_training(variants):
             before_broadcast = detached_state(model)
         init = detached_state(model)  # ...until the scope exits and replica 0's is broadcast
 
-        def train_step(xb, yb):
+        def train_step(xb, yb, global_batch):
             per_example = F.cross_entropy(model(xb), yb, reduction="none")
             if explicit_batch:
-                loss = ts.compute_average_loss(per_example, global_batch_size=B)
+                loss = ts.compute_average_loss(per_example, global_batch_size=global_batch)
             else:
                 loss = ts.compute_average_loss(per_example)
             loss = loss + ts.scale_regularization_loss(l2_term(model))
@@ -87,15 +89,16 @@ def _replica_training(variants):
             optimizer.zero_grad()
             return loss.detach()
 
-        losses = []
-        for step in range(STEPS):
-            xb = torch.tensor_split(x[step], n)[rank]
-            yb = torch.tensor_split(y[step], n)[rank]
-            per_replica = strategy.run(train_step, args=(xb, yb))
+        losses, local_batches = [], []
+        for x, y in batches:
+            xb = torch.tensor_split(x, n)[rank]
+            yb = torch.tensor_split(y, n)[rank]
+            local_batches.append(xb.shape[0])
+            per_replica = strategy.run(train_step, args=(xb, yb, x.shape[0]))
             losses.append(strategy.reduce(ts.ReduceOp.SUM, per_replica, axis=None).item())
         out[variant] = {"before_broadcast": before_broadcast, "init": init,
                         "final": detached_state(model), "losses": losses,
-                        "local_batch": int(torch.tensor_split(x[0], n)[rank].shape[0])}
+                        "local_batches": (local_batches[0], local_batches[-1])}
     return from_every_replica(out)
 
 
@@ -109,7 +112,8 @@ def test_mirrored_training_matches_single_device(num_replicas, references):
     per_replica = launch(_replica_training, list(VARIANTS), n=num_replicas)
     assert len(per_replica) == num_replicas
     if num_replicas == 4:
-        assert [r["sgd"]["local_batch"] for r in per_replica] == [3, 3, 2, 2]
+        assert [r["sgd"]["local_batches"] for r in per_replica] == \
+            [(3, 1), (3, 1), (2, 1), (2, 0)]
     for variant, reference in references.items():
         for rank, results in enumerate(per_replica):
             got = results[variant]

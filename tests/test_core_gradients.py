@@ -162,8 +162,16 @@ def model_loss(model, x):
     return model(x).float().pow(2).sum()
 
 
-def _reducer_models(names, bucket_cap_mb):
-    strategy = ts.MirroredStrategy(bucket_cap_mb=bucket_cap_mb)
+CROSS_DEVICE_OPS = {
+    "default": lambda: None,
+    "one_device": lambda: ts.ReductionToOneDevice(),
+    "packs": lambda: ts.NcclAllReduce(num_packs=3),
+}
+
+
+def _reducer_models(names, bucket_cap_mb, cross_device_ops):
+    strategy = ts.MirroredStrategy(bucket_cap_mb=bucket_cap_mb,
+                                   cross_device_ops=CROSS_DEVICE_OPS[cross_device_ops]())
     rank = strategy.extended.replica_id
     res = {"buckets": None, "models": {}}
     for name in names:
@@ -171,13 +179,25 @@ def _reducer_models(names, bucket_cap_mb):
         with strategy.scope():
             model = MODELS[name][0]()
         init = detached_state(model)
+        x = replica_input(name, rank, steps=2)
+        got = {}
 
         def step():
-            model_loss(model, replica_input(name, rank)[0]).backward()
+            model_loss(model, x[0]).backward()
+            got["one"] = grads_of(model)
+            # A second synchronised backward without zero_grad adds its summed gradients.
+            model_loss(model, x[1]).backward()
+            got["two"] = grads_of(model)
+            model.zero_grad()
+            # The same two micro-batches, the first accumulated locally under no_sync.
+            with strategy.extended.no_sync():
+                model_loss(model, x[0]).backward()
+            model_loss(model, x[1]).backward()
+            got["no_sync"] = grads_of(model)
 
         strategy.run(step)
         plain = MODELS[name][0]()
-        res["models"][name] = {"init": init, "grads": grads_of(model),
+        res["models"][name] = {"init": init, **got,
                                "keys": list(model.state_dict()),
                                "plain_keys": list(plain.state_dict()),
                                "param_dtypes": [p.dtype for p in model.parameters()]}
@@ -185,27 +205,35 @@ def _reducer_models(names, bucket_cap_mb):
     return from_every_replica(res)
 
 
-def reference_grads(name, init, n):
-    """Single process: the gradients of every replica's loss, summed (in fp32 for bf16)."""
+def reference_grads(name, init, n, steps):
+    """Single process: the gradients of every replica's losses on micro-batches `steps`,
+    summed (in fp32 for bf16)."""
     total = {}
     for rank in range(n):
-        model = MODELS[name][0]()
-        model.load_state_dict(init)
-        model_loss(model, replica_input(name, rank)[0]).backward()
-        for key, p in model.named_parameters():
-            g = p.grad.float() if p.dtype == torch.bfloat16 else p.grad
-            total[key] = g if key not in total else total[key] + g
+        x = replica_input(name, rank, steps=2)
+        for s in steps:
+            model = MODELS[name][0]()
+            model.load_state_dict(init)
+            model_loss(model, x[s]).backward()
+            for key, p in model.named_parameters():
+                g = p.grad.float() if p.dtype == torch.bfloat16 else p.grad
+                total[key] = g if key not in total else total[key] + g
     return total
 
 
-@pytest.mark.parametrize("num_replicas,bucket_cap_mb", [(2, 25), (4, 0.0001)])
-def test_reducer_matches_reference_for_shared_mixed_and_low_precision(num_replicas,
-                                                                      bucket_cap_mb):
-    per_replica = launch(_reducer_models, list(MODELS), bucket_cap_mb, n=num_replicas)
+@pytest.mark.parametrize("num_replicas,bucket_cap_mb,cross_device_ops",
+                         [(2, 25, "default"), (4, 0.0001, "default"), (2, 0.0001, "one_device"),
+                          (4, 25, "packs")])
+def test_reducer_matches_reference_for_shared_mixed_and_low_precision(
+        num_replicas, bucket_cap_mb, cross_device_ops):
+    per_replica = launch(_reducer_models, list(MODELS), bucket_cap_mb, cross_device_ops,
+                         n=num_replicas)
     buckets = per_replica[0]["buckets"]
     if bucket_cap_mb < 1:
         # 104-byte buckets: most parameters get a bucket of their own.
         assert len(buckets) >= 20, buckets
+    else:
+        assert len(buckets) == 3, buckets  # one per dtype: fp32, fp64, bf16
     for rank, res in enumerate(per_replica):
         assert res["buckets"] == buckets
         for name, got in res["models"].items():
@@ -215,20 +243,21 @@ def test_reducer_matches_reference_for_shared_mixed_and_low_precision(num_replic
             assert got["param_dtypes"] == [p.dtype for p in MODELS[name][0]().parameters()]
             assert_same_tensors(got["init"], per_replica[0]["models"][name]["init"],
                                 what=what + " init")
-            expected = reference_grads(name, got["init"], num_replicas)
-            grads = got["grads"]
-            if name == "bf16":
-                assert all(g.dtype == torch.bfloat16 for g in grads.values())
-                grads = {k: g.float() for k, g in grads.items()}
-                assert_same_tensors(grads, expected, atol=0.05, rtol=0.02, what=what)
-            elif name == "shared_fp64":
-                assert_same_tensors(grads, expected, atol=1e-12, rtol=1e-12, what=what)
-            else:
-                assert_same_tensors(grads, expected, atol=1e-5, rtol=1e-5, what=what)
-            # Bit-identical gradients on every replica.
-            assert_same_tensors(got["grads"], per_replica[0]["models"][name]["grads"],
-                                what=what + " vs replica 0")
-    # The tied weight's gradient includes both uses (compare with the untied reference).
+            for key, steps in (("one", [0]), ("two", [0, 1]), ("no_sync", [0, 1])):
+                expected = reference_grads(name, got["init"], num_replicas, steps)
+                grads = got[key]
+                label = f"{what} {key}"
+                if name == "bf16":
+                    assert all(g.dtype == torch.bfloat16 for g in grads.values())
+                    grads = {k: g.float() for k, g in grads.items()}
+                    assert_same_tensors(grads, expected, atol=0.1, rtol=0.03, what=label)
+                elif name == "shared_fp64":
+                    assert_same_tensors(grads, expected, atol=1e-12, rtol=1e-12, what=label)
+                else:
+                    assert_same_tensors(grads, expected, atol=1e-5, rtol=1e-5, what=label)
+                # Bit-identical gradients on every replica.
+                assert_same_tensors(got[key], per_replica[0]["models"][name][key],
+                                    what=label + " vs replica 0")
     tied = per_replica[0]["models"]["shared"]
     assert "second.weight" in tied["keys"] and "first.weight" in tied["keys"]
 

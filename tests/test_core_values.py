@@ -73,6 +73,7 @@ def test_contexts_follow_tensorflow_rules_in_replicas():
         assert res["scope_strategy_is_ours"]
         run = res["run"]
         assert run["replica"] == (rank, n)
+        assert run["cross_replica_strategy"] == "NoneType"
         assert (run["strategy"], run["has_strategy"], run["cross_replica"]) == \
             ("MirroredStrategy", True, False)
         assert run["is_ours"] and run["x"] == [float(rank)]
@@ -131,6 +132,7 @@ def _cross_replica_ops():
 
     # gather: uneven sizes along the axis, in replica order.
     res["gather0"] = strategy.gather(torch.full((r + 1, 3), float(r)), axis=0).tolist()
+    res["gather_per_replica"] = strategy.gather(per_replica, axis=0).tolist()
     res["gather1"] = strategy.gather(torch.full((2, r + 1), float(r)), axis=1).tolist()
     gathered = strategy.gather({"x": torch.arange(r + 1), "y": [torch.full((1, 2), r + 0.5)]},
                                axis=0)
@@ -198,6 +200,7 @@ def test_cross_replica_operations_in_four_replicas():
 
         rows = [float(k) for k in range(n) for _ in range(k + 1)]  # 0, 1, 1, 2, 2, 2, ...
         assert res["gather0"] == [[v] * 3 for v in rows]
+        assert res["gather_per_replica"] == [v for k in range(n) for v in (k + 1.0, 2.0 * (k + 1))]
         assert res["gather1"] == [rows, rows]
         assert res["gather_nested"] == {"x": [i for k in range(n) for i in range(k + 1)],
                                         "y": [[k + 0.5] * 2 for k in range(n)]}

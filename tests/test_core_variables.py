@@ -27,6 +27,8 @@ def _variables_in_replicas():
             "sum": ts.Variable(0.0, synchronization=SYNC.ON_READ, aggregation=AGG.SUM),
             "mean": ts.Variable(torch.zeros(2), synchronization="ON_READ",
                                 aggregation=AGG.MEAN),
+            "first": ts.Variable(0.0, synchronization=SYNC.ON_READ,
+                                 aggregation=AGG.ONLY_FIRST_REPLICA),
         }
     res["types"] = [type(v).__name__ for v in [*mirrored.values(), seeded, weights,
                                                 *on_read.values()]]
@@ -62,6 +64,7 @@ def _variables_in_replicas():
     def metric_step(x):
         on_read["sum"].assign_add(x)
         on_read["mean"].assign_add(torch.stack([x, 2 * x]))
+        on_read["first"].assign_add(x)
         return on_read["sum"].read_value().clone()  # inside run: the local value
 
     inside = [local(strategy.run(metric_step, args=(torch.tensor(float(r + 1)),))).item()
@@ -71,6 +74,7 @@ def _variables_in_replicas():
     res["metric_sum"] = on_read["sum"].read_value().item()
     res["metric_float"] = float(on_read["sum"])
     res["metric_mean"] = on_read["mean"].read_value().tolist()
+    res["metric_first"] = (on_read["first"].read_value().item(), on_read["first"].tensor.item())
     res["metric_reduce"] = strategy.reduce("SUM", on_read["sum"].tensor, axis=None).item()
     # Cross-replica assign of a SUM sync-on-read variable: the copies add up to the value.
     on_read["sum"].assign(8.0)
@@ -87,7 +91,7 @@ def test_variable_aggregation_in_four_replicas():
     per_replica = launch(_variables_in_replicas, n=n)
     s1 = float(sum(range(1, n + 1)))  # the updates r + 1 summed: 10
     for r, res in enumerate(per_replica):
-        assert res["types"] == ["MirroredVariable"] * 6 + ["SyncOnReadVariable"] * 2
+        assert res["types"] == ["MirroredVariable"] * 6 + ["SyncOnReadVariable"] * 3
         assert res["trainable"] == [True, False]
         assert res["seeded"] == [7.0, 7.0]
         assert res["after_assign"] == {"none": r + 1.0, "sum": s1, "mean": s1 / n,
@@ -103,6 +107,7 @@ def test_variable_aggregation_in_four_replicas():
         assert res["metric_local"] == 2.0 * (r + 1)
         assert res["metric_sum"] == res["metric_float"] == res["metric_reduce"] == 2 * s1
         assert res["metric_mean"] == [2 * s1 / n, 4 * s1 / n]
+        assert res["metric_first"] == (2.0, 2.0 * (r + 1))  # replica 0's copy, read by all
         assert res["assigned_local"] == 8.0 / n
         assert res["assigned_read"] == 8.0
         assert res["assigned_mean_local"] == [3.0, -1.0]
