@@ -1,6 +1,7 @@
 """Misuse gives clear errors, raised before any process blocks in a collective, and
 ts.launch reports replica failures."""
 import os
+import time
 
 import pytest
 import torch
@@ -158,8 +159,9 @@ def _replica_one_raises(tag):
     strategy = ts.MirroredStrategy()
     if strategy.extended.replica_id == 1:
         raise ValueError(f"bad value in replica 1 ({tag})")
-    # Replica 0 blocks in a collective its peer never joins; launch must end it.
-    strategy.reduce("SUM", torch.ones(1), axis=None)
+    # Replica 0 is busy (not in a collective, whose own error could race with replica 1's
+    # report); launch must end it.
+    time.sleep(60)
     return "unreachable"
 
 
@@ -167,14 +169,16 @@ def _replica_one_exits():
     strategy = ts.MirroredStrategy()
     if strategy.extended.replica_id == 1:
         os._exit(3)
-    strategy.reduce("SUM", torch.ones(1), axis=None)
+    time.sleep(60)
     return "unreachable"
 
 
 def test_launch_reraises_the_replica_exception_type():
+    start = time.monotonic()
     with pytest.raises(ValueError, match=r"bad value in replica 1 \(tag-42\)") as info:
         launch(_replica_one_raises, "tag-42", n=2)
     assert "Replica 1 raised" in str(info.value.__cause__)
+    assert time.monotonic() - start < 30  # the busy replica 0 was terminated, not awaited
 
 
 def test_launch_reports_a_replica_that_died():
