@@ -17,7 +17,7 @@ MirroredStrategy adopts that process group, and the three configurations then al
 in short chunks of steps (the order rotating every chunk). A chunk's time is the slower
 replica's; the table gives the median over all chunks of all rounds.
 
-    .venv/bin/python scripts/bench_step.py               # default: about a minute
+    .venv/bin/python scripts/bench_step.py               # default: 1-2 minutes
     .venv/bin/python scripts/bench_step.py --quick       # smoke test: a few seconds
 """
 import argparse
@@ -106,27 +106,33 @@ def build_steps(batch, width, depth):
 
 
 def replica_main(chunks, chunk_steps, warmup, batch, width, depth):
-    """One replica; returns {configuration: [seconds per step of each chunk]}."""
+    """One replica; returns {configuration: {"wall"|"cpu": [seconds per step of each
+    chunk]}}, the slower replica's."""
     init_process_group()
     steps = build_steps(batch, width, depth)
     for step in steps.values():
         for _ in range(warmup):
             step()
-    times = {c: [] for c in CONFIGS}
+    wall = {c: [] for c in CONFIGS}
+    cpu = {c: [] for c in CONFIGS}
     for i in range(chunks):
         order = CONFIGS[i % len(CONFIGS):] + CONFIGS[:i % len(CONFIGS)]
         for config in order:
             step = steps[config]
             step()                      # untimed: brings this model back into cache
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             for _ in range(chunk_steps):
                 step()
-            times[config].append((time.perf_counter() - start) / chunk_steps)
+            wall[config].append((time.perf_counter() - start) / chunk_steps)
+            cpu[config].append((time.process_time() - start_cpu) / chunk_steps)
     # The slower replica's time for each chunk.
-    table = torch.tensor([times[c] for c in CONFIGS], dtype=torch.float64)
+    table = torch.tensor([wall[c] for c in CONFIGS] + [cpu[c] for c in CONFIGS],
+                         dtype=torch.float64)
     dist.all_reduce(table, op=dist.ReduceOp.MAX)
-    return {c: table[k].tolist() for k, c in enumerate(CONFIGS)}
+    n = len(CONFIGS)
+    return {c: {"wall": table[k].tolist(), "cpu": table[n + k].tolist()}
+            for k, c in enumerate(CONFIGS)}
 
 
 def main():
@@ -158,29 +164,37 @@ def main():
           f"configuration, interleaved", flush=True)
 
     times = {c: [] for c in CONFIGS}
+    cpu = {c: [] for c in CONFIGS}
     for r in range(args.rounds):
         result = ts.launch(replica_main, chunks, args.chunk, args.warmup, args.batch,
                            args.width, args.depth, num_replicas=NUM_REPLICAS)
         for c in CONFIGS:
-            times[c] += result[c]
+            times[c] += result[c]["wall"]
+            cpu[c] += result[c]["cpu"]
         print(f"round {r + 1}/{args.rounds} (median ms/step): " + ", ".join(
-            f"{c} {statistics.median(result[c]) * 1e3:.2f}" for c in CONFIGS), flush=True)
+            f"{c} {statistics.median(result[c]['wall']) * 1e3:.2f}" for c in CONFIGS),
+            flush=True)
 
     med = {c: statistics.median(times[c]) for c in CONFIGS}
+    med_cpu = {c: statistics.median(cpu[c]) for c in CONFIGS}
     q = {c: statistics.quantiles(times[c], n=4) if len(times[c]) > 1 else [times[c][0]] * 3
          for c in CONFIGS}
     print()
-    print(f"{'configuration':<14}{'median ms/step':>16}{'p25':>9}{'p75':>9}{'chunks':>8}")
+    print(f"{'configuration':<14}{'median ms/step':>16}{'p25':>9}{'p75':>9}"
+          f"{'CPU ms/step':>13}{'chunks':>8}")
     for c in CONFIGS:
         print(f"{c:<14}{med[c] * 1e3:>16.2f}{q[c][0] * 1e3:>9.2f}{q[c][2] * 1e3:>9.2f}"
-              f"{len(times[c]):>8}")
+              f"{med_cpu[c] * 1e3:>13.2f}{len(times[c]):>8}")
     print()
-    # Ratio of medians, and the median of the ratios of chunks run back to back (paired:
-    # the two chunks of a pair saw nearly the same machine load).
-    print(f"{'ratio':<16}{'of medians':>12}{'paired':>10}")
+    # Wall time: ratio of the medians, and the median of the ratios of chunks run back to
+    # back (paired: both chunks of a pair saw nearly the same machine load). CPU time (the
+    # process's, gloo's threads included) barely depends on other jobs sharing the cores;
+    # it leaves out time spent waiting for the other replica.
+    print(f"{'ratio':<16}{'of medians':>12}{'paired':>10}{'CPU time':>10}")
     for a, b in (("ours", "ddp"), ("ours", "no-sync"), ("ddp", "no-sync")):
         paired = statistics.median(x / y for x, y in zip(times[a], times[b]))
-        print(f"{a + ' / ' + b:<16}{med[a] / med[b]:>12.3f}{paired:>10.3f}")
+        print(f"{a + ' / ' + b:<16}{med[a] / med[b]:>12.3f}{paired:>10.3f}"
+              f"{med_cpu[a] / med_cpu[b]:>10.3f}")
 
 
 if __name__ == "__main__":
