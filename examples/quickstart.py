@@ -6,8 +6,8 @@
 
 With several replicas, `python examples/quickstart.py` becomes replica 0 and starts the
 same command again for each other replica: the code below runs in every replica, each
-training on its own slice of every batch. Lines marked "# distributed:" are the only ones
-that differ from single-device training.
+training on its own slice of every batch. Comments starting with "distributed:" mark what
+differs from single-device training.
 """
 import argparse
 import os
