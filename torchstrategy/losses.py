@@ -14,7 +14,8 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
     """Scales per-example losses by the global batch size: ``sum(loss * weight) / B``.
 
     Args:
-      per_example_loss: tensor of shape [local_batch, ...] (use ``reduction="none"``).
+      per_example_loss: tensor of shape [local_batch, ...] (use ``reduction="none"``);
+        all its elements are summed, as TensorFlow does.
       sample_weight: optional weights, broadcastable to `per_example_loss`.
       global_batch_size: B. If None, B is the sum of the local batch sizes of all replicas,
         found with one small all-reduce in replica context (exact for an uneven last batch);
@@ -33,8 +34,8 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
                          "got a scalar. Compute the loss with reduction='none'.")
     if sample_weight is not None:
         per_example_loss = per_example_loss * sample_weight
-    if per_example_loss.dim() > 1:
-        per_example_loss = per_example_loss.reshape(per_example_loss.shape[0], -1).mean(dim=1)
+    # As in TensorFlow, every element is summed: a per-token loss of shape [batch, tokens]
+    # gives sum / global_batch_size. Reduce the extra dimensions first to average them.
     if global_batch_size is None:
         local = per_example_loss.shape[0]
         replica = context.get_replica_context()

@@ -9,12 +9,42 @@ With one replica every operation is local and issues no collective.
 """
 import collections
 import math
+import threading
+import time
 
 import torch
 import torch.distributed as dist
 
 from torchstrategy import _ops
 from torchstrategy.reduce_op import ReduceOp, as_reduce_op
+
+
+# Buffers handed to collectives stay referenced from Python until the backend has let go
+# of them. gloo's worker thread drops its reference to a finished collective a moment
+# after wait() returns; if Python had already dropped the buffer, that last release needs
+# the GIL from the worker thread, which aborts the process ("terminate called without an
+# active exception") when it happens during interpreter shutdown.
+_held = []
+_held_lock = threading.Lock()
+
+
+def hold(*buffers):
+    """Keeps `buffers` referenced until no collective uses them any more."""
+    with _held_lock:
+        _held[:] = [b for b in _held if b._use_count() > 1]
+        _held.extend(buffers)
+
+
+def wait_until_released(timeout_seconds=10.0):
+    """Waits (bounded) until the backend has released every held buffer."""
+    deadline = time.monotonic() + timeout_seconds
+    while time.monotonic() < deadline:
+        with _held_lock:
+            _held[:] = [b for b in _held if b._use_count() > 1]
+            if not _held:
+                return True
+        time.sleep(0.001)
+    return False
 
 
 def _layout(tensors):
@@ -37,7 +67,7 @@ class Communicator:
     """Collectives among the replicas of one strategy.
 
     Args:
-      group: the process group (None when there is one replica).
+      group: the process group (None: torch.distributed's default group).
       rank / world_size: this replica's id and the number of replicas.
       device: the device buffers are reduced on (the replica's device).
       cross_device_ops: the all-reduce algorithm (a `CrossDeviceOps`).
@@ -80,6 +110,7 @@ class Communicator:
             _ops.pack(flat, members, offsets, numels)
             pending.append((indices, members, offsets, flat,
                             self.cross_device_ops.all_reduce_async(flat, self.group)))
+        hold(*[p[3] for p in pending])
         for indices, members, offsets, flat, work in pending:
             work.wait()
             if flat.dtype != members[0].dtype:  # bool travelled as int32: SUM means "any"
@@ -103,6 +134,7 @@ class Communicator:
                 flat = torch.empty(total, dtype=dtype, device=self.device)
                 if self.rank == src:
                     _ops.pack(flat, members, offsets, numels)
+                hold(flat)
                 dist.broadcast(flat, src=src, group=self.group)
                 if self.rank != src:
                     _ops.unpack(flat, members, offsets)
@@ -166,6 +198,7 @@ class Communicator:
             flat = torch.zeros(longest, dtype=dtype, device=self.device)
             _ops.pack(flat, members, offsets, numels)
             gathered = [torch.empty_like(flat) for _ in range(self.world_size)]
+            hold(flat, *gathered)
             dist.all_gather(gathered, flat, group=self.group)
             for k, i in enumerate(indices):
                 parts = []
@@ -181,6 +214,7 @@ class Communicator:
         row = row.to(self.device)
         out = [torch.empty(width, dtype=row.dtype, device=self.device)
                for _ in range(self.world_size)]
+        hold(row, *out)
         dist.all_gather(out, row, group=self.group)
         return torch.stack(out).cpu()
 

@@ -31,6 +31,7 @@ import contextlib
 import torch
 
 from torchstrategy import _ops
+from torchstrategy.collectives.communicator import hold
 
 DEFAULT_BUCKET_CAP_BYTES = 25 * 1024 * 1024
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
@@ -101,6 +102,7 @@ class GradientReducer:
         self._queued = False
         self._next_launch = 0
         self._stash = {}           # id(param) -> (param, .grad kept from before backward)
+        self._synced_part = {}     # id(param) -> (param, summed .grad under a no_sync sum)
         self._any_ready = False
 
     # -- set-up -------------------------------------------------------------------------
@@ -162,10 +164,17 @@ class GradientReducer:
             # Runs before autograd adds this backward's gradient to param.grad. A gradient
             # already there was summed by the previous synchronised backward: set it aside
             # so that only the new gradient is summed, and add it back afterwards.
-            if self._sync and param.grad is not None and id(param) not in self._local_ids:
+            if param.grad is None or id(param) in self._local_ids:
+                return None
+            if self._sync:
                 self._stash[id(param)] = (param, param.grad)
                 param.grad = None
                 self._queue_finalize()
+            else:
+                # A no_sync backward is about to accumulate onto an already-summed
+                # gradient: remember that part, so the next synchronised backward sums
+                # only what was accumulated locally and adds this back once.
+                self._synced_part[id(param)] = (param, param.grad.detach().clone())
             return None
         return keep_previous_grad
 
@@ -206,6 +215,11 @@ class GradientReducer:
             return param.grad  # accumulated under no_sync, not yet summed
         return None
 
+    def _without_synced_parts(self, bucket, grads):
+        return [g - self._synced_part[id(p)][1]
+                if g is not None and id(p) in self._synced_part else g
+                for p, g in zip(bucket.params, grads)]
+
     def _launch(self, bucket):
         n = bucket.size
         if bucket.pending == 0:
@@ -215,11 +229,14 @@ class GradientReducer:
             grads = [self._contribution(bucket, i) for i in range(len(bucket.params))]
             flags = torch.tensor([0 if g is None else 1 for g in grads], dtype=bucket.dtype)
             bucket.flat[n:].copy_(flags)
+        if self._synced_part:
+            grads = self._without_synced_parts(bucket, grads)
         for g in grads:
             if g is not None and g.is_sparse:
                 raise RuntimeError("Sparse gradients (nn.Embedding(sparse=True)) are not "
                                    "supported by the gradient reducer; use dense gradients.")
         _ops.pack(bucket.flat, grads, bucket.offsets, bucket.numels)
+        hold(bucket.flat)
         bucket.work = self._comm.cross_device_ops.all_reduce_async(bucket.flat,
                                                                    self._comm.group)
 
@@ -244,18 +261,25 @@ class GradientReducer:
             for bucket in self._buckets:
                 bucket.reset()
 
+    def _kept(self, param):
+        """(param, the already-summed gradient to add back after this sum) or Nones."""
+        if id(param) in self._stash:
+            return self._stash.pop(id(param))
+        return self._synced_part.pop(id(param), (None, None))
+
     def _unpack(self, bucket):
         n = bucket.size
         if all(bucket.ready):
             grads = [p.grad for p in bucket.params]
             _ops.unpack(bucket.flat, grads, bucket.offsets)
-            kept = [self._stash.pop(id(p)) for p in bucket.params if id(p) in self._stash]
+            kept = [self._kept(p) for p in bucket.params
+                    if id(p) in self._stash or id(p) in self._synced_part]
             if kept:
                 torch._foreach_add_([p.grad for p, _ in kept], [g for _, g in kept])
             return
         contributed = bucket.flat[n:].tolist()
         for position, param in enumerate(bucket.params):
-            kept = self._stash.pop(id(param), (None, None))[1]
+            kept = self._kept(param)[1]
             if contributed[position] <= 0:
                 if kept is not None:
                     param.grad = kept  # no replica produced a gradient: leave it as it was

@@ -180,8 +180,9 @@ class DistributedDataset(_InputBase):
         generator = getattr(loader.sampler, "generator", None) or loader.generator
         if generator is not None:
             return int(generator.initial_seed())
-        # Drawn from torch's RNG, so torch.manual_seed on replica 0 makes runs repeatable.
-        return int(torch.empty((), dtype=torch.int64).random_().item())
+        # torch's seed (torch.manual_seed on replica 0 makes runs repeatable), read without
+        # drawing from the RNG, so distributing a dataset changes no later random number.
+        return int(torch.initial_seed())
 
     def set_epoch(self, epoch):
         """Sets the epoch the next iteration uses (for resuming); normally each iteration

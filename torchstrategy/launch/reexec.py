@@ -84,6 +84,7 @@ class _Supervisor:
         self.children = children  # rank -> Popen
         self.failure = None       # (rank, exit code) of the first replica that failed
         self.main_failed = False
+        self.exiting = False      # replica 0's main thread is in its exit handler
         self.lock = threading.Lock()
         self._install_excepthook()
         atexit.register(self.at_exit)
@@ -135,7 +136,8 @@ class _Supervisor:
         print(f"torchstrategy: replica {rank} {how}; stopping all replicas.", file=sys.stderr,
               flush=True)
         self.terminate_all()
-        _thread.interrupt_main()
+        if not self.exiting:
+            _thread.interrupt_main()
         time.sleep(_TERMINATE_GRACE_SECONDS * 2)
         # The main thread did not stop (blocked outside Python): end the process.
         sys.stdout.flush()
@@ -146,29 +148,62 @@ class _Supervisor:
         rank, code = self.failure
         return code if code > 0 else 128 - code
 
+    def _failed_child(self):
+        for rank, child in self.children.items():
+            code = child.poll()
+            if code not in (None, 0):
+                return rank, code
+        return None
+
     def at_exit(self):
+        self.exiting = True
         if self.main_failed:
+            # Replica 0's error is often the symptom ("connection closed by peer") of
+            # another replica dying first: report and exit with that replica's code.
+            deadline = time.monotonic() + 1.0
+            while self.failure is None and time.monotonic() < deadline:
+                failed = self._failed_child()
+                if failed is not None:
+                    with self.lock:
+                        self.failure = self.failure or failed
+                time.sleep(_POLL_SECONDS / 2)
             self.terminate_all()
+            if self.failure is not None:
+                self._exit_with_failure()
             return
         released = False
         start = time.monotonic()
-        while any(child.poll() is None for child in self.children.values()):
-            if self.failure is not None:
-                break
-            if not released and time.monotonic() - start > _EXIT_WAIT_BEFORE_RELEASE_SECONDS:
-                released = True
-                if dist.is_initialized():
-                    dist.destroy_process_group()
-            time.sleep(_POLL_SECONDS)
+        try:
+            while any(child.poll() is None for child in self.children.values()):
+                if self.failure is not None:
+                    break
+                if not released and \
+                        time.monotonic() - start > _EXIT_WAIT_BEFORE_RELEASE_SECONDS:
+                    released = True
+                    if dist.is_initialized():
+                        dist.destroy_process_group()
+                time.sleep(_POLL_SECONDS)
+        except KeyboardInterrupt:
+            self.terminate_all()
+        if not released:
+            from torchstrategy.launch.process_group import release_process_group
+
+            release_process_group()
         if self.failure is None:
             for rank, child in self.children.items():
                 if child.returncode not in (0, None):
                     self.failure = (rank, child.returncode)
                     break
         if self.failure is not None:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(self.exit_code())
+            self._exit_with_failure()
+
+    def _exit_with_failure(self):
+        rank, code = self.failure
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        print(f"torchstrategy: replica {rank} {how}; the job exits with its code.",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(self.exit_code())
 
 
 def start_local_replicas(num_replicas, timeout_seconds):

@@ -118,7 +118,8 @@ def launch(fn, *args, num_replicas, timeout_seconds=None, start_method="forkserv
     context = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
         # The server imports torch once; each replica then forks from it in milliseconds.
-        context.set_forkserver_preload(["torchstrategy"])
+        # torch.optim pulls in torch._dynamo (over a second): import it once there too.
+        context.set_forkserver_preload(["torchstrategy", "torch.optim"])
     store = dist.TCPStore("127.0.0.1", 0, num_replicas, is_master=True,
                           wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout))
