@@ -12,6 +12,7 @@
 This module only re-exports the public surface; see the submodules for the details.
 """
 from torchstrategy import checkpoint
+from torchstrategy.collectives.communicator import CollectiveError
 from torchstrategy.collectives.cross_device_ops import (CrossDeviceOps, NcclAllReduce,
                                                         ReductionToOneDevice)
 from torchstrategy.context import (get_cross_replica_context, get_replica_context,
@@ -32,7 +33,7 @@ from torchstrategy import values
 __version__ = "0.1.0"
 
 __all__ = [
-    "CrossDeviceOps", "DistributedValues", "InputContext", "InputOptions", "Mirrored",
+    "CollectiveError", "CrossDeviceOps", "DistributedValues", "InputContext", "InputOptions", "Mirrored",
     "MirroredStrategy", "MirroredVariable", "NcclAllReduce", "OneDeviceStrategy",
     "PerReplica", "ReduceOp", "ReductionToOneDevice", "ReplicaContext", "Strategy",
     "StrategyExtended", "SyncOnReadVariable", "ValueContext", "Variable",

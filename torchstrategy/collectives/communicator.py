@@ -8,6 +8,7 @@ unpack). Many small tensors therefore cost one collective, not one each.
 With one replica every operation is local and issues no collective.
 """
 import collections
+import contextlib
 import math
 import threading
 import time
@@ -45,6 +46,33 @@ def wait_until_released(timeout_seconds=10.0):
                 return True
         time.sleep(0.001)
     return False
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out: another replica died, hangs, or issued different
+    collectives. Raised instead of waiting forever."""
+
+
+@contextlib.contextmanager
+def explained_failures(what, rank):
+    """Re-raises a backend failure inside the block as a `CollectiveError` that says what
+    was being done and what usually causes it (the backend's text is kept)."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as error:
+        text = str(error)
+        if "Timed out" in text or "timeout" in text.lower():
+            cause = ("did not complete within the strategy's timeout: another replica is "
+                     "stuck or slow, or did not call the same collective (every replica "
+                     "must run the same collectives in the same order)")
+        elif "closed" in text.lower() or "reset" in text.lower() or "broken" in text.lower():
+            cause = "failed because another replica died (its connection closed)"
+        else:
+            raise
+        raise CollectiveError(f"torchstrategy: {what} on replica {rank} {cause}. "
+                              f"Backend: {text.splitlines()[0][:300]}") from error
 
 
 def _layout(tensors):
@@ -112,7 +140,8 @@ class Communicator:
                             self.cross_device_ops.all_reduce_async(flat, self.group)))
         hold(*[p[3] for p in pending])
         for indices, members, offsets, flat, work in pending:
-            work.wait()
+            with explained_failures("all_reduce", self.rank):
+                work.wait()
             if flat.dtype != members[0].dtype:  # bool travelled as int32: SUM means "any"
                 flat = flat.ne(0)
             outputs = members if inplace else [torch.empty_like(t) for t in members]
@@ -135,7 +164,8 @@ class Communicator:
                 if self.rank == src:
                     _ops.pack(flat, members, offsets, numels)
                 hold(flat)
-                dist.broadcast(flat, src=src, group=self.group)
+                with explained_failures("broadcast", self.rank):
+                    dist.broadcast(flat, src=src, group=self.group)
                 if self.rank != src:
                     _ops.unpack(flat, members, offsets)
         return tensors
@@ -145,8 +175,10 @@ class Communicator:
         if self.world_size == 1:
             return obj
         box = [obj if self.rank == src else None]
-        dist.broadcast_object_list(box, src=src, group=self.group,
-                                   device=self.device if self.device.type == "cuda" else None)
+        with explained_failures("broadcast", self.rank):
+            dist.broadcast_object_list(box, src=src, group=self.group,
+                                       device=self.device if self.device.type == "cuda"
+                                       else None)
         return box[0]
 
     # -- all-gather -------------------------------------------------------------------
@@ -199,7 +231,8 @@ class Communicator:
             _ops.pack(flat, members, offsets, numels)
             gathered = [torch.empty_like(flat) for _ in range(self.world_size)]
             hold(flat, *gathered)
-            dist.all_gather(gathered, flat, group=self.group)
+            with explained_failures("all_gather", self.rank):
+                dist.all_gather(gathered, flat, group=self.group)
             for k, i in enumerate(indices):
                 parts = []
                 for r in range(self.world_size):
@@ -215,13 +248,15 @@ class Communicator:
         out = [torch.empty(width, dtype=row.dtype, device=self.device)
                for _ in range(self.world_size)]
         hold(row, *out)
-        dist.all_gather(out, row, group=self.group)
+        with explained_failures("all_gather", self.rank):
+            dist.all_gather(out, row, group=self.group)
         return torch.stack(out).cpu()
 
     def barrier(self):
         """Waits until every replica has reached this point (bounded by the timeout)."""
         if self.world_size > 1:
-            if self.device.type == "cuda":
-                dist.barrier(group=self.group, device_ids=[self.device.index])
-            else:
-                dist.barrier(group=self.group)
+            with explained_failures("barrier", self.rank):
+                if self.device.type == "cuda":
+                    dist.barrier(group=self.group, device_ids=[self.device.index])
+                else:
+                    dist.barrier(group=self.group)

@@ -31,7 +31,7 @@ import contextlib
 import torch
 
 from torchstrategy import _ops
-from torchstrategy.collectives.communicator import hold
+from torchstrategy.collectives.communicator import explained_failures, hold
 
 DEFAULT_BUCKET_CAP_BYTES = 25 * 1024 * 1024
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
@@ -247,7 +247,8 @@ class GradientReducer:
                     self._launch(bucket)
                 self._next_launch = len(self._buckets)
                 for bucket in self._buckets:
-                    bucket.work.wait()
+                    with explained_failures("the gradient all-reduce", self._comm.rank):
+                        bucket.work.wait()
                     self._unpack(bucket)
                 self._local_ids.clear()
             # Gradients set aside for a backward that accumulated nothing (autograd.grad).

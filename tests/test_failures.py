@@ -1,0 +1,47 @@
+"""A dead or stuck replica gives a prompt, clear error: never a hang."""
+import os
+import time
+
+import pytest
+import torch
+
+import torchstrategy as ts
+from torchstrategy.launch.spawn import ReplicaFailed
+
+
+def _stuck_replica_in_reduce():
+    strategy = ts.MirroredStrategy()
+    if strategy.extended.replica_id == 1:
+        time.sleep(60)   # stuck: never joins the collective
+    return strategy.reduce("SUM", torch.ones(2))
+
+
+def _stuck_replica_in_backward():
+    strategy = ts.MirroredStrategy()
+    with strategy.scope():
+        model = torch.nn.Linear(3, 1)
+    if strategy.extended.replica_id == 1:
+        time.sleep(60)
+    strategy.run(lambda: model(torch.ones(2, 3)).sum().backward())
+
+
+@pytest.mark.parametrize("replica_fn", [_stuck_replica_in_reduce, _stuck_replica_in_backward])
+def test_a_stuck_replica_times_out_with_a_clear_error(replica_fn):
+    start = time.monotonic()
+    with pytest.raises(ts.CollectiveError, match="did not complete within the strategy's timeout"):
+        ts.launch(replica_fn, num_replicas=2, timeout_seconds=4)
+    assert time.monotonic() - start < 40
+
+
+def _dead_replica():
+    strategy = ts.MirroredStrategy()
+    if strategy.extended.replica_id == 1:
+        os._exit(7)
+    return strategy.reduce("SUM", torch.ones(2))
+
+
+def test_a_dead_replica_ends_the_launch_at_once():
+    start = time.monotonic()
+    with pytest.raises((ReplicaFailed, ts.CollectiveError), match="Replica 1|died"):
+        ts.launch(_dead_replica, num_replicas=2, timeout_seconds=60)
+    assert time.monotonic() - start < 30   # far below the 60 s timeout
