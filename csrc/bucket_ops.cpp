@@ -156,6 +156,75 @@ void unpack_cpu(at::Tensor flat, at::TensorList tensors, at::IntArrayRef offsets
   });
 }
 
+// Device-generic versions built from ATen ops, used for every device without a dedicated
+// kernel (CUDA until csrc/ has its own kernels): one cat for the whole pack and foreach
+// ops for the unpack, so a bucket still costs a handful of kernel launches, not one per
+// tensor. Also registered as *_reference ops so the CPU tests check them.
+void pack_generic(at::Tensor flat, const c10::List<std::optional<at::Tensor>>& tensors,
+                  at::IntArrayRef offsets, at::IntArrayRef sizes, double scale) {
+  const size_t count = tensors.size();
+  TORCH_CHECK(sizes.size() == count && offsets.size() == count,
+              "torchstrategy: tensors, offsets and sizes must have the same length");
+  std::vector<int64_t> numels(sizes.begin(), sizes.end());
+  check_layout(flat, offsets, count, numels);
+  bool consecutive = true;
+  for (size_t i = 0; i + 1 < count; ++i) {
+    consecutive = consecutive && offsets[i] + numels[i] == offsets[i + 1];
+  }
+  std::vector<at::Tensor> pieces;
+  pieces.reserve(count);
+  for (size_t i = 0; i < count; ++i) {
+    std::optional<at::Tensor> t = tensors.get(i);
+    if (t.has_value() && t->defined()) {
+      TORCH_CHECK(t->numel() == numels[i], "torchstrategy: tensor ", i, " has ", t->numel(),
+                  " elements but its slot has ", numels[i]);
+      pieces.push_back(t->reshape({-1}).to(flat.scalar_type()));
+    } else {
+      pieces.push_back(at::zeros({numels[i]}, flat.options()));
+    }
+  }
+  if (count == 0) return;
+  if (consecutive) {
+    const int64_t total = offsets[count - 1] + numels[count - 1] - offsets[0];
+    at::Tensor region = flat.narrow(0, offsets[0], total);
+    at::cat_out(region, pieces, 0);
+    if (scale != 1.0) region.mul_(scale);
+    return;
+  }
+  for (size_t i = 0; i < count; ++i) {
+    at::Tensor slot = flat.narrow(0, offsets[i], numels[i]);
+    slot.copy_(pieces[i]);
+    if (scale != 1.0) slot.mul_(scale);
+  }
+}
+
+void unpack_generic(at::Tensor flat, at::TensorList tensors, at::IntArrayRef offsets,
+                    double scale, bool accumulate) {
+  const size_t count = tensors.size();
+  std::vector<int64_t> numels(count);
+  for (size_t i = 0; i < count; ++i) numels[i] = tensors[i].numel();
+  check_layout(flat, offsets, count, numels);
+  std::vector<at::Tensor> sources;
+  std::vector<at::Tensor> targets;
+  for (size_t i = 0; i < count; ++i) {
+    const at::Tensor& dst = tensors[i];
+    at::Tensor slot = flat.narrow(0, offsets[i], numels[i]).view(dst.sizes());
+    if (dst.scalar_type() != flat.scalar_type() || dst.device() != flat.device()) {
+      slot = slot.to(dst.options());
+    }
+    sources.push_back(slot);
+    targets.push_back(dst);
+  }
+  if (accumulate && scale == 1.0) {
+    at::_foreach_add_(targets, sources);  // integer tensors refuse a floating alpha
+  } else if (accumulate) {
+    at::_foreach_add_(targets, sources, scale);
+  } else {
+    at::_foreach_copy_(targets, sources);
+    if (scale != 1.0) at::_foreach_mul_(targets, at::Scalar(scale));
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(torchstrategy, m) {
@@ -163,6 +232,18 @@ TORCH_LIBRARY(torchstrategy, m) {
         "float scale) -> ()");
   m.def("unpack(Tensor flat, Tensor(a!)[] tensors, int[] offsets, float scale, "
         "bool accumulate) -> ()");
+  m.def("pack_reference(Tensor(a!) flat, Tensor?[] tensors, int[] offsets, int[] numels, "
+        "float scale) -> ()");
+  m.def("unpack_reference(Tensor flat, Tensor(a!)[] tensors, int[] offsets, float scale, "
+        "bool accumulate) -> ()");
+}
+
+// Every device without a dedicated kernel gets the generic implementation.
+TORCH_LIBRARY_IMPL(torchstrategy, CompositeExplicitAutograd, m) {
+  m.impl("pack", &pack_generic);
+  m.impl("unpack", &unpack_generic);
+  m.impl("pack_reference", &pack_generic);
+  m.impl("unpack_reference", &unpack_generic);
 }
 
 TORCH_LIBRARY_IMPL(torchstrategy, CPU, m) {

@@ -6,6 +6,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "reexec_train.py")
 
@@ -116,3 +117,15 @@ def test_torchrun_world_is_taken(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     weights = _weights(tmp_path)
     assert weights[0].startswith("2 [") and weights[0] == weights[1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the default is every GPU there")
+def test_without_gpus_the_default_is_one_cpu_replica_and_one_log_line():
+    code = ("import torchstrategy as ts; s = ts.MirroredStrategy(); "
+            "print(s.num_replicas_in_sync, s.extended.worker_devices)")
+    result = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "1 (device(type='cpu'),)"
+    assert result.stderr.strip() == \
+        "torchstrategy: MirroredStrategy with 1 replica(s) on devices ('cpu:0',)"
