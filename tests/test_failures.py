@@ -45,3 +45,17 @@ def test_a_dead_replica_ends_the_launch_at_once():
     with pytest.raises((ReplicaFailed, ts.CollectiveError), match="Replica 1|died"):
         ts.launch(_dead_replica, num_replicas=2, timeout_seconds=60)
     assert time.monotonic() - start < 30   # far below the 60 s timeout
+
+
+def _replica_one_raises_while_zero_waits():
+    strategy = ts.MirroredStrategy()
+    if strategy.extended.replica_id == 1:
+        time.sleep(0.3)
+        raise ValueError("bad input on replica 1")
+    return strategy.reduce("SUM", torch.ones(2))   # fails once replica 1 is gone
+
+
+def test_the_root_cause_is_reported_not_the_follow_on_collective_failure():
+    for _ in range(3):  # whichever report arrives first
+        with pytest.raises(ValueError, match="bad input on replica 1"):
+            ts.launch(_replica_one_raises_while_zero_waits, num_replicas=2, timeout_seconds=60)

@@ -3,6 +3,7 @@ import datetime
 import os
 import pickle
 import sys
+import time
 import traceback
 import multiprocessing
 from multiprocessing import connection
@@ -140,6 +141,36 @@ def launch(fn, *args, num_replicas, timeout_seconds=None, start_method="forkserv
         del store
 
 
+_FOLLOW_ON_ERRORS = ("CollectiveError", "DistBackendError", "DistNetworkError", "DistError")
+
+
+def _is_follow_on(info):
+    """Errors that are usually the consequence of another replica failing first."""
+    name, message = info[0], info[1]
+    return name in _FOLLOW_ON_ERRORS or "Connection closed by peer" in message
+
+
+def _root_cause(rank, info, pending, grace_seconds=1.0):
+    """When a replica fails, the others soon fail too inside their collectives. Reads the
+    reports arriving within `grace_seconds` and returns the first that is not such a
+    follow-on error (else the first one)."""
+    reports = [(rank, info)]
+    deadline = time.monotonic() + grace_seconds
+    while pending and time.monotonic() < deadline:
+        for reader in connection.wait(list(pending), timeout=max(0.0, deadline - time.monotonic())):
+            other = pending.pop(reader)
+            try:
+                status, other, payload = pickle.loads(reader.recv_bytes())
+            except EOFError:
+                continue
+            if status == "error":
+                reports.append((other, payload))
+    for candidate in reports:
+        if not _is_follow_on(candidate[1]):
+            return candidate
+    return reports[0]
+
+
 def _collect(processes, readers):
     results = {}
     pending = dict(readers)
@@ -162,6 +193,7 @@ def _collect(processes, readers):
                                         "returning a result or reporting an error.") from None
                 reported.add(rank)
                 if status == "error":
+                    rank, payload = _root_cause(rank, payload, pending)
                     _terminate(processes)
                     _raise_replica_error(rank, payload)
                 results[rank] = payload

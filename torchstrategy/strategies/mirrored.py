@@ -47,6 +47,12 @@ def establish_world(devices, timeout_seconds):
     else:
         if world.launcher == "reexec" and world.rank > 0:
             reexec.watch_parent()
+        if parsed is not None and len(parsed) != world.local_world_size and \
+                world.launcher == "single":
+            raise ValueError(
+                f"devices={[d.name for d in parsed]} asks for {len(parsed)} replicas, but this "
+                "program already created a one-replica strategy. A program has one replica "
+                "layout: create the multi-replica strategy first (or only).")
         if parsed is not None and len(parsed) != world.local_world_size:
             raise ValueError(
                 f"devices={[d.name for d in parsed]} names {len(parsed)} device(s), but "
