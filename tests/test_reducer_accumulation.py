@@ -46,3 +46,26 @@ def _multi_dim_loss():
 def test_compute_average_loss_sums_every_element_as_tensorflow_does():
     # 2 replicas x (2 x 5 ones) / global batch 4 = 5 per replica... summed: 20 / 4 = 5.
     assert launch(_multi_dim_loss, n=2) == 5.0
+
+
+def _autograd_grad_on_one_replica():
+    strategy = ts.MirroredStrategy()
+    r = strategy.extended.replica_id
+    with strategy.scope():
+        model = torch.nn.Linear(3, 1)
+    model(torch.ones(1, 3)).sum().backward()   # synced: both replicas
+    before = [p.grad.clone() for p in model.parameters()]
+    local = ()
+    if r == 0:   # only replica 0: must stay local, or the reduce below would mismatch
+        local = torch.autograd.grad(model(torch.ones(1, 3) * 5).sum(), list(model.parameters()))
+    after = [p.grad.clone() for p in model.parameters()]
+    total = strategy.reduce("SUM", torch.ones(1)).item()
+    return before, after, total, [g.clone() for g in local]
+
+
+def test_autograd_grad_is_local_and_leaves_grad_untouched():
+    before, after, total, local = launch(_autograd_grad_on_one_replica, n=2)
+    assert total == 2.0
+    for b, a in zip(before, after):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(local[0], torch.full((1, 3), 5.0))   # d/dW of W.x with x = 5
