@@ -178,7 +178,7 @@ void pack_generic(at::Tensor flat, const c10::List<std::optional<at::Tensor>>& t
     if (t.has_value() && t->defined()) {
       TORCH_CHECK(t->numel() == numels[i], "torchstrategy: tensor ", i, " has ", t->numel(),
                   " elements but its slot has ", numels[i]);
-      pieces.push_back(t->reshape({-1}).to(flat.scalar_type()));
+      pieces.push_back(t->reshape({-1}).to(flat.device(), flat.scalar_type()));
     } else {
       pieces.push_back(at::zeros({numels[i]}, flat.options()));
     }
