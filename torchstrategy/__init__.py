@@ -29,8 +29,12 @@ from torchstrategy.values import DistributedValues, Mirrored, PerReplica
 from torchstrategy.variables import (MirroredVariable, SyncOnReadVariable, Variable,
                                      VariableAggregation, VariableSynchronization)
 from torchstrategy import values
+from torchstrategy.lightning import registration as _lightning_registration
 
 __version__ = "0.1.0"
+
+# Trainer(strategy="mirrored") etc.: registers into Lightning when (and only if) it is imported.
+_lightning_registration.install()
 
 __all__ = [
     "CollectiveError", "CrossDeviceOps", "DistributedValues", "InputContext", "InputOptions", "Mirrored",
