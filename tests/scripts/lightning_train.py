@@ -86,13 +86,15 @@ def make_trainer(max_steps, callbacks=()):
         devices = "auto"
     elif args.strategy == "one_device":
         strategy, devices = "one_device", 1
-    else:
+    else:  # "ddp", "mirrored", "mirrored_notebook" (run through stdin: python - ...)
         strategy, devices = args.strategy, 2
     return pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices,
                       max_steps=max_steps, limit_val_batches=2, enable_progress_bar=False,
                       enable_model_summary=False, logger=False,
                       default_root_dir=args.out, callbacks=list(callbacks),
-                      enable_checkpointing=bool(callbacks))
+                      enable_checkpointing=bool(callbacks),
+                      # gradient accumulation (no_sync) for the BoringModel runs
+                      accumulate_grad_batches=2 if args.model == "boring" else 1)
 
 
 def main():
