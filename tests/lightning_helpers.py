@@ -26,14 +26,20 @@ def clean_env():
     return env
 
 
-def run_training(out_dir, *argv, stdin=False):
+def run_training(out_dir, *argv, stdin=False, torchrun=False):
     """Runs the training script with `argv` writing into `out_dir`; returns its result.
 
     With `stdin` the program is read from standard input (``python - ...``), where
-    re-execution is impossible, as in a notebook."""
+    re-execution is impossible, as in a notebook. With `torchrun` it runs under
+    ``torchrun --standalone --nproc-per-node=2`` (rendezvous on a free port)."""
     os.makedirs(out_dir, exist_ok=True)
     argv = [*argv, "--out", str(out_dir)]
-    if stdin:
+    if torchrun:
+        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                 "--nproc-per-node=2", SCRIPT, *argv], cwd=ROOT,
+                                env=clean_env(), capture_output=True, text=True,
+                                timeout=SUBPROCESS_TIMEOUT_SECONDS)
+    elif stdin:
         with open(SCRIPT) as source:
             result = subprocess.run([sys.executable, "-", *argv], stdin=source, cwd=ROOT,
                                     env=clean_env(), capture_output=True, text=True,

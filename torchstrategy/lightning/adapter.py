@@ -135,7 +135,6 @@ def _build_class(package):
             self._kind = kind
             self._start_method = start_method
             self._num_nodes = 1
-            self._checked_trainer = None
             self._parallel_devices = None
 
         # -- the wrapped strategy ------------------------------------------------------
@@ -230,9 +229,8 @@ def _build_class(package):
             strategy has (Lightning reads `parallel_devices` first while it parses its
             arguments, so this runs before any of them is acted on)."""
             given = _trainer_arguments(pl.Trainer)
-            if given is None or self._checked_trainer is given:
+            if given is None:
                 return
-            self._checked_trainer = given
             name = repr(self._ts)
             wanted_type = (self._ts.extended.torch_device or torch.device("cpu")).type
             asked_type = _device_type(given["accelerator"])
@@ -414,9 +412,6 @@ def _build_class(package):
             if comm is None:
                 return obj
             return comm.broadcast_object(obj, src=src)
-
-        def teardown(self):
-            super().teardown()
 
         @classmethod
         def register_strategies(cls, strategy_registry):
