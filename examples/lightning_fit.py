@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torchmetrics
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch.utils.data import DataLoader, TensorDataset
@@ -49,6 +50,9 @@ class DigitClassifier(pl.LightningModule):
         self.net = nn.Sequential(
             nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),   # 32 x 4 x 4
             nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
+        # torchmetrics accumulates per replica and combines all replicas at the end.
+        self.accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=10,
+                                                                       average="micro")
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -58,8 +62,8 @@ class DigitClassifier(pl.LightningModule):
 
     def test_step(self, batch, batch_idx):
         x, y = batch
-        accuracy = (self.net(x).argmax(dim=1) == y).float().mean()
-        self.log("accuracy", accuracy, sync_dist=True)   # the mean over all replicas
+        self.accuracy(self.net(x), y)
+        self.log("accuracy", self.accuracy)   # over the whole test set, all replicas
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=3e-3)
