@@ -159,15 +159,24 @@ def _build_class(package):
         def parallel_devices(self, devices):
             self._parallel_devices = devices
 
+        def _world(self):
+            """The launch world of the wrapped strategy (rank, local world size)."""
+            from torchstrategy.strategies import mirrored
+
+            return getattr(self._ts, "_world", None) or mirrored._process_world
+
         def _local_replicas(self):
-            world = getattr(self._ts, "_world", None)
-            return 1 if world is None else world.local_world_size
+            if self._ts is None or self._ts.num_replicas_in_sync == 1:
+                return 1
+            world = self._world()
+            if world is not None:
+                return world.local_world_size
+            return int(os.environ.get("LOCAL_WORLD_SIZE", self._ts.num_replicas_in_sync))
 
         def _machines(self):
-            world = getattr(self._ts, "_world", None)
-            if world is None:
+            if self._ts is None:
                 return 1
-            return max(1, world.world_size // max(1, world.local_world_size))
+            return max(1, self._ts.num_replicas_in_sync // self._local_replicas())
 
         @property
         def num_nodes(self):
@@ -197,9 +206,11 @@ def _build_class(package):
 
         @property
         def local_rank(self):
-            world = getattr(self._ts, "_world", None)
-            if world is not None:
-                return world.local_rank
+            if self._ts is not None and self._ts.num_replicas_in_sync > 1:
+                world = self._world()
+                if world is not None:
+                    return world.local_rank
+                return int(os.environ.get("LOCAL_RANK", 0))
             return self.global_rank
 
         @property
