@@ -50,6 +50,13 @@ class Regression(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        if isinstance(self.trainer.strategy, LightningStrategy):
+            # Our steps run in the strategy's replica context; its collectives work there.
+            replica = ts.get_replica_context()
+            assert replica.replica_id_in_sync_group == self.global_rank
+            assert replica.num_replicas_in_sync == self.trainer.world_size
+            total = replica.all_reduce("SUM", torch.ones(1))
+            assert total.item() == self.trainer.world_size, total
         loss = F.mse_loss(self(x), y)
         self.log("train_loss", loss, sync_dist=True)
         return loss

@@ -151,13 +151,22 @@ def _build_class(package):
         def parallel_devices(self):
             if self._ts is not None and self._kind is None:
                 self._check_trainer_arguments()
-                return [self._ts.extended.torch_device or torch.device("cpu")] * \
-                    self._local_replicas()
+                return self._local_devices()
             return self._parallel_devices
 
         @parallel_devices.setter
         def parallel_devices(self, devices):
             self._parallel_devices = devices
+
+        def _local_devices(self):
+            """The devices of the wrapped strategy's replicas on this machine."""
+            from torchstrategy.devices import parse_devices
+
+            names = getattr(self._ts, "_devices", None)
+            if names and len(names) == self._local_replicas():
+                return [d.torch_device for d in parse_devices(list(names))]
+            return [self._ts.extended.torch_device or torch.device("cpu")] * \
+                self._local_replicas()
 
         def _world(self):
             """The launch world of the wrapped strategy (rank, local world size)."""
