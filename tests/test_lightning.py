@@ -205,9 +205,24 @@ def test_registered_name_with_wrong_device_count_is_a_clear_error():
         _trainer(strategy="mirrored", accelerator="cpu", devices=2, num_nodes=2)
 
 
-def test_mirrored_under_pytest_names_the_notebook_mode():
-    with pytest.raises(RuntimeError, match=r"use Trainer\(strategy='mirrored_notebook'\)"):
-        _trainer(strategy="mirrored", accelerator="cpu", devices=2)
+@pytest.mark.timeout(150)
+def test_mirrored_where_reexecution_is_impossible_names_the_notebook_mode():
+    """A program read from stdin (like a notebook) cannot be re-executed: the error says
+    to use strategy="mirrored_notebook"."""
+    code = textwrap.dedent("""
+        import lightning.pytorch as pl
+        import torchstrategy
+        try:
+            pl.Trainer(strategy="mirrored", accelerator="cpu", devices=2, logger=False)
+        except RuntimeError as error:
+            print("ERROR:", error)
+    """)
+    result = subprocess.run([sys.executable, "-"], input=code, cwd=ROOT, env=clean_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "cannot re-execute an interactive session or a notebook" in result.stdout
+    assert "With Lightning, use Trainer(strategy='mirrored_notebook') to start the " \
+        "replicas at fit time instead." in result.stdout, result.stdout
 
 
 # -- collectives ------------------------------------------------------------------------
@@ -256,3 +271,5 @@ def test_lightning_strategy_needs_a_strategy_or_a_kind():
         LightningStrategy(3)
     with pytest.raises(ValueError, match="pass kind='mirrored'"):
         LightningStrategy(ts.OneDeviceStrategy("cpu"), start_method="fork")
+    with pytest.raises(ValueError, match="start_method must be 'popen' or 'fork'"):
+        LightningStrategy(kind="mirrored", start_method="spawn")

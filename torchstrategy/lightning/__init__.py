@@ -83,9 +83,9 @@ class LightningStrategy(metaclass=_DispatchingType):
         do.
       start_method: with `kind`: "popen" (default) builds the strategy when the Trainer is
         built (re-executing ``python train.py`` for the other replicas, or joining
-        torchrun); "fork" (notebooks: ``Trainer(strategy="mirrored_notebook")``), "spawn"
-        or "forkserver" start the replicas at ``fit``/``validate``/... and bring the trained
-        weights back into the calling process, as Lightning's ``ddp_notebook`` does.
+        torchrun); "fork" (notebooks: ``Trainer(strategy="mirrored_notebook")``) forks the
+        replicas at ``fit``/``validate``/... and brings the trained weights back into the
+        calling process, as Lightning's ``ddp_notebook`` does.
       package: "lightning.pytorch" or "pytorch_lightning" (default: the one imported).
       accelerator / checkpoint_io / precision_plugin: as for any Lightning strategy.
     """

@@ -118,9 +118,11 @@ def _build_class(package):
                 raise ValueError("LightningStrategy needs a torchstrategy strategy "
                                  "(LightningStrategy(ts.MirroredStrategy(...))) or a kind "
                                  "(LightningStrategy(kind='mirrored')), not both.")
-            if start_method not in ("popen", "fork", "spawn", "forkserver"):
-                raise ValueError(f"start_method must be 'popen', 'fork', 'spawn' or "
-                                 f"'forkserver', got {start_method!r}.")
+            if start_method not in ("popen", "fork"):
+                # spawn/forkserver would pickle the Trainer, the module and this
+                # strategy; classes defined in a notebook cannot be unpickled elsewhere.
+                raise ValueError(f"start_method must be 'popen' or 'fork' (notebooks), got "
+                                 f"{start_method!r}.")
             if strategy is not None and start_method != "popen":
                 raise ValueError(
                     "A strategy that already exists has launched its replicas; "
