@@ -23,6 +23,7 @@ from torchstrategy.losses import compute_average_loss, scale_regularization_loss
 from torchstrategy.reduce_op import ReduceOp
 from torchstrategy.replica_context import ReplicaContext
 from torchstrategy.strategies.base import Strategy, StrategyExtended
+from torchstrategy.strategies.central_storage import CentralStorageStrategy
 from torchstrategy.strategies.mirrored import MirroredStrategy
 from torchstrategy.strategies.one_device import OneDeviceStrategy
 from torchstrategy.values import DistributedValues, Mirrored, PerReplica
@@ -33,7 +34,7 @@ from torchstrategy import values
 __version__ = "0.1.0"
 
 __all__ = [
-    "CollectiveError", "CrossDeviceOps", "DistributedValues", "InputContext", "InputOptions", "Mirrored",
+    "CentralStorageStrategy", "CollectiveError", "CrossDeviceOps", "DistributedValues", "InputContext", "InputOptions", "Mirrored",
     "MirroredStrategy", "MirroredVariable", "NcclAllReduce", "OneDeviceStrategy",
     "PerReplica", "ReduceOp", "ReductionToOneDevice", "ReplicaContext", "Strategy",
     "StrategyExtended", "SyncOnReadVariable", "ValueContext", "Variable",
