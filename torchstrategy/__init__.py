@@ -11,8 +11,13 @@
 
 This module only re-exports the public surface; see the submodules for the details.
 """
-from torchstrategy import checkpoint
+from torchstrategy import checkpoint, cluster_resolver
+from torchstrategy.cluster_resolver import (ClusterResolver, ClusterSpec, SimpleClusterResolver,
+                                           TFConfigClusterResolver,
+                                           TorchElasticClusterResolver)
 from torchstrategy.collectives.communicator import CollectiveError
+from torchstrategy.communication_options import (CommunicationImplementation,
+                                                 CommunicationOptions)
 from torchstrategy.collectives.cross_device_ops import (CrossDeviceOps, NcclAllReduce,
                                                         ReductionToOneDevice)
 from torchstrategy.context import (get_cross_replica_context, get_replica_context,
@@ -33,13 +38,45 @@ from torchstrategy import values
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CentralStorageStrategy", "CollectiveError", "CrossDeviceOps", "DistributedValues", "InputContext", "InputOptions", "Mirrored",
-    "MirroredStrategy", "MirroredVariable", "NcclAllReduce", "OneDeviceStrategy",
-    "PerReplica", "ReduceOp", "ReductionToOneDevice", "ReplicaContext", "Strategy",
-    "StrategyExtended", "SyncOnReadVariable", "ValueContext", "Variable",
-    "VariableAggregation", "VariableSynchronization", "checkpoint",
-    "compute_average_loss", "get_cross_replica_context", "get_replica_context",
-    "get_strategy", "has_strategy", "in_cross_replica_context", "launch",
-    "scale_regularization_loss", "values",
+__all__ = [  # one name a line, sorted: adding a name touches one line
+    "CentralStorageStrategy",
+    "ClusterResolver",
+    "ClusterSpec",
+    "CollectiveError",
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "CrossDeviceOps",
+    "DistributedValues",
+    "InputContext",
+    "InputOptions",
+    "Mirrored",
+    "MirroredStrategy",
+    "MirroredVariable",
+    "NcclAllReduce",
+    "OneDeviceStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "ReductionToOneDevice",
+    "ReplicaContext",
+    "SimpleClusterResolver",
+    "Strategy",
+    "StrategyExtended",
+    "SyncOnReadVariable",
+    "TFConfigClusterResolver",
+    "TorchElasticClusterResolver",
+    "ValueContext",
+    "Variable",
+    "VariableAggregation",
+    "VariableSynchronization",
+    "checkpoint",
+    "cluster_resolver",
+    "compute_average_loss",
+    "get_cross_replica_context",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+    "launch",
+    "scale_regularization_loss",
+    "values",
 ]

@@ -1,0 +1,10 @@
+"""Cluster resolvers: how a program learns the cluster it belongs to (TensorFlow's names)."""
+from torchstrategy.cluster_resolver.base import ClusterResolver, SimpleClusterResolver
+from torchstrategy.cluster_resolver.cluster_spec import ClusterSpec
+from torchstrategy.cluster_resolver.tf_config import (TFConfigClusterResolver, TFConfigError,
+                                                      read_tf_config)
+from torchstrategy.cluster_resolver.torch_elastic import TorchElasticClusterResolver
+
+__all__ = ["ClusterResolver", "ClusterSpec", "SimpleClusterResolver",
+           "TFConfigClusterResolver", "TFConfigError", "TorchElasticClusterResolver",
+           "read_tf_config"]

@@ -1,0 +1,114 @@
+"""`ClusterSpec`: the jobs of a cluster and the address of every task, as TensorFlow names them."""
+import re
+
+_ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[^\s:/\[\]]+):(\d{1,5})$")
+
+
+def parse_address(address):
+    """Splits ``"host:port"`` (or ``"[ipv6]:port"``) into ``(host, port)``.
+
+    Raises:
+      ValueError: naming the address when it is not of that form or the port is out of range.
+    """
+    match = _ADDRESS.match(address) if isinstance(address, str) else None
+    if match is None or not 0 <= int(match.group(2)) <= 65535:
+        raise ValueError(f"Task address {address!r} is not of the form 'host:port' "
+                         f"(for IPv6: '[::1]:port').")
+    host = match.group(1)
+    return host.strip("[]"), int(match.group(2))
+
+
+class ClusterSpec:
+    """Which tasks make up a cluster, by job name, and where each one listens.
+
+    ``ClusterSpec({"chief": ["10.0.0.1:2222"], "worker": ["10.0.0.2:2222", "10.0.0.3:2222"],
+    "ps": ["10.0.0.4:2222"]})``. A job's tasks are a list (task i at position i) or a dict
+    ``{task_index: address}`` for a sparse job. Every address is ``"host:port"``.
+
+    Raises (from the constructor):
+      TypeError / ValueError: naming the job and task when the spec is malformed.
+    """
+
+    def __init__(self, cluster):
+        if isinstance(cluster, ClusterSpec):
+            cluster = cluster.as_dict()
+        if cluster is None:
+            cluster = {}
+        if not isinstance(cluster, dict):
+            raise TypeError(f"A cluster spec is a dict of job name -> list of 'host:port' "
+                            f"addresses, got {type(cluster).__name__}.")
+        self._jobs = {}
+        for job, tasks in cluster.items():
+            if not isinstance(job, str) or not job:
+                raise TypeError(f"Job names are non-empty strings, got {job!r}.")
+            if isinstance(tasks, str):
+                raise TypeError(f"Job {job!r}: tasks are a list of addresses, got the string "
+                                f"{tasks!r} (write [{tasks!r}]).")
+            if isinstance(tasks, dict):
+                indexed = {}
+                for index, address in tasks.items():
+                    if not isinstance(index, int) or index < 0:
+                        raise TypeError(f"Job {job!r}: task indices are non-negative ints, "
+                                        f"got {index!r}.")
+                    indexed[index] = address
+            elif isinstance(tasks, (list, tuple)):
+                indexed = dict(enumerate(tasks))
+            else:
+                raise TypeError(f"Job {job!r}: tasks are a list (or dict index -> address), "
+                                f"got {type(tasks).__name__}.")
+            for index, address in indexed.items():
+                try:
+                    parse_address(address)
+                except ValueError as err:
+                    raise ValueError(f"Job {job!r}, task {index}: {err}") from None
+            self._jobs[job] = dict(sorted(indexed.items()))
+
+    @property
+    def jobs(self):
+        """The job names, sorted."""
+        return sorted(self._jobs)
+
+    def as_dict(self):
+        """The spec as a dict: a list per dense job (indices 0..n-1), a dict per sparse job."""
+        out = {}
+        for job, tasks in self._jobs.items():
+            dense = list(tasks) == list(range(len(tasks)))
+            out[job] = list(tasks.values()) if dense else dict(tasks)
+        return out
+
+    def num_tasks(self, job_name):
+        """Number of tasks in `job_name`. Raises ValueError for an unknown job."""
+        return len(self._tasks(job_name))
+
+    def task_indices(self, job_name):
+        """The task indices of `job_name`, sorted."""
+        return list(self._tasks(job_name))
+
+    def task_address(self, job_name, task_index):
+        """The ``"host:port"`` of one task. Raises ValueError naming what is missing."""
+        tasks = self._tasks(job_name)
+        if task_index not in tasks:
+            raise ValueError(f"No task {task_index} in job {job_name!r}; it has tasks "
+                             f"{list(tasks)}.")
+        return tasks[task_index]
+
+    def job_tasks(self, job_name):
+        """The job's addresses by index, with None where a sparse job has a gap."""
+        tasks = self._tasks(job_name)
+        if not tasks:
+            return []
+        return [tasks.get(i) for i in range(max(tasks) + 1)]
+
+    def _tasks(self, job_name):
+        if job_name not in self._jobs:
+            raise ValueError(f"No job {job_name!r} in the cluster; its jobs are {self.jobs}.")
+        return self._jobs[job_name]
+
+    def __bool__(self):
+        return bool(self._jobs)
+
+    def __eq__(self, other):
+        return isinstance(other, ClusterSpec) and self._jobs == other._jobs
+
+    def __repr__(self):
+        return f"ClusterSpec({self.as_dict()!r})"

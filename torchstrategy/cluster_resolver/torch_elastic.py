@@ -1,0 +1,79 @@
+"""`TorchElasticClusterResolver`: the cluster as torchrun (torch elastic) describes it.
+
+torchrun tells each process its global rank, its machine's rank (GROUP_RANK) and the
+rendezvous address, but not the other machines' addresses. Every machine is one task of
+job "worker"; its index is torchrun's node rank (which can change across restarts).
+"""
+import os
+import socket
+
+from torchstrategy.cluster_resolver.base import ClusterResolver
+from torchstrategy.cluster_resolver.cluster_spec import ClusterSpec
+
+_REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _env_int(environ, name, default=None):
+    value = environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"torchrun's variable {name}={value!r} is not an integer.") from None
+
+
+class TorchElasticClusterResolver(ClusterResolver):
+    """This process's machine and the number of machines, from torchrun's variables.
+
+    Attributes (besides the ClusterResolver ones):
+      rank, world_size: this process among all replicas.
+      local_rank, local_world_size: the same on this machine.
+      num_workers: machines taking part; worker_index: this machine's rank.
+
+    `cluster_spec()` lists what torchrun knows: worker 0 at the rendezvous address
+    (MASTER_ADDR:MASTER_PORT) and this machine under its hostname; other machines' addresses
+    are not known to torchrun's processes, so the spec is sparse.
+
+    Raises:
+      RuntimeError: when not started by torchrun (its variables are missing).
+    """
+
+    def __init__(self, environ=None):
+        env = os.environ if environ is None else environ
+        missing = [k for k in _REQUIRED if k not in env]
+        if missing:
+            raise RuntimeError(f"TorchElasticClusterResolver needs torchrun's environment; "
+                               f"{missing} are not set. Start the program with "
+                               f"`torchrun --nnodes=N --nproc-per-node=M train.py`.")
+        self.rank = _env_int(env, "RANK")
+        self.world_size = _env_int(env, "WORLD_SIZE")
+        self.local_rank = _env_int(env, "LOCAL_RANK")
+        self.local_world_size = _env_int(env, "LOCAL_WORLD_SIZE", self.world_size)
+        nodes = _env_int(env, "GROUP_WORLD_SIZE")
+        if nodes is None:
+            nodes = max(1, self.world_size // max(1, self.local_world_size))
+        self._num_workers = nodes
+        self.task_type = "worker"
+        self.task_id = _env_int(env, "GROUP_RANK", self.rank // max(1, self.local_world_size))
+        self.rpc_layer = None
+        self.environment = ""
+        self.master_addr = env["MASTER_ADDR"]
+        self.master_port = _env_int(env, "MASTER_PORT")
+        known = {0: f"{self._bracket(self.master_addr)}:{self.master_port}"}
+        if self.task_id != 0:
+            known[self.task_id] = f"{self._bracket(socket.gethostname())}:{self.master_port}"
+        self._cluster_spec = ClusterSpec({"worker": known})
+
+    @staticmethod
+    def _bracket(host):
+        return f"[{host}]" if ":" in host else host
+
+    def cluster_spec(self):
+        return self._cluster_spec
+
+    def training_tasks(self):
+        return [("worker", i) for i in range(self._num_workers)]
+
+    def rendezvous_address(self):
+        return self.master_addr, self.master_port

@@ -1,0 +1,61 @@
+"""`CommunicationOptions`: how the multi-worker strategy's collectives run (TensorFlow's names)."""
+import enum
+import numbers
+
+
+class CommunicationImplementation(enum.Enum):
+    """Which collective implementation to use.
+
+    AUTO: NCCL for CUDA tensors, gloo's ring otherwise. RING: gloo (TCP rings, any device
+    whose tensors gloo accepts; CPU here). NCCL: NVIDIA's library, CUDA tensors only.
+    """
+
+    AUTO = "AUTO"
+    RING = "RING"
+    NCCL = "NCCL"
+
+
+class CommunicationOptions:
+    """Options for cross-replica communication.
+
+    Args:
+      bytes_per_pack: gradients are all-reduced in packs (buckets) of about this many bytes;
+        0 lets the library choose (25 MiB, with a small first pack so communication starts
+        early).
+      timeout_seconds: every collective fails with `ts.CollectiveError` after this long
+        instead of hanging; None keeps the strategy's default (TORCHSTRATEGY_TIMEOUT_SECONDS,
+        else 30 minutes).
+      implementation: a `CommunicationImplementation` or its name ("AUTO", "RING", "NCCL").
+
+    Raises:
+      ValueError / TypeError: naming the bad argument.
+    """
+
+    def __init__(self, bytes_per_pack=0, timeout_seconds=None,
+                 implementation=CommunicationImplementation.AUTO):
+        if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int) \
+                or bytes_per_pack < 0:
+            raise ValueError(f"bytes_per_pack must be a non-negative int (0 = automatic), "
+                             f"got {bytes_per_pack!r}.")
+        if timeout_seconds is not None and (isinstance(timeout_seconds, bool) or not isinstance(
+                timeout_seconds, numbers.Real) or not timeout_seconds > 0):
+            raise ValueError(f"timeout_seconds must be a positive number or None, got "
+                             f"{timeout_seconds!r}.")
+        if isinstance(implementation, str):
+            try:
+                implementation = CommunicationImplementation[implementation.upper()]
+            except KeyError:
+                raise ValueError(f"implementation must be one of "
+                                 f"{[m.name for m in CommunicationImplementation]}, got "
+                                 f"{implementation!r}.") from None
+        if not isinstance(implementation, CommunicationImplementation):
+            raise TypeError(f"implementation must be a ts.CommunicationImplementation, got "
+                            f"{implementation!r}.")
+        self.bytes_per_pack = bytes_per_pack
+        self.timeout_seconds = timeout_seconds
+        self.implementation = implementation
+
+    def __repr__(self):
+        return (f"CommunicationOptions(bytes_per_pack={self.bytes_per_pack}, "
+                f"timeout_seconds={self.timeout_seconds}, "
+                f"implementation={self.implementation.name})")
