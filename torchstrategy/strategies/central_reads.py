@@ -190,19 +190,25 @@ class RunSession:
         """Adds the SUM over replicas of the gradients computed since the last sum to every
         replica's view of ``.grad``, and clears the per-replica leaves' gradients."""
         for i, p in enumerate(self.params):
-            parts = [leaves[i].grad for leaves in self._leaves]
             total = None
-            for part in parts:          # replica order: the result is deterministic
-                if part is not None:
-                    part = part.to(self.parameter_device)
-                    total = part.clone() if total is None else total.add_(part)
-            for leaves in self._leaves:
+            for leaves in self._leaves:   # replica order: the result is deterministic
+                part = leaves[i].grad
                 leaves[i].grad = None
+                if part is None:
+                    continue
+                if total is None:         # the first replica's gradient is ours to reuse
+                    total = part if part.device == self.parameter_device \
+                        else part.to(self.parameter_device)
+                else:
+                    total.add_(part.to(self.parameter_device))
             if total is None:
                 continue
-            for replica in self.replicas:
+            for r, replica in enumerate(self.replicas):
                 previous = replica.grads[id(p)]
-                mine = total.to(replica.device, copy=True)
+                # Replica 0 keeps `total` itself; the others get their own copy, so that a
+                # replica changing its .grad in place (clipping) changes only its view.
+                mine = total if r == 0 and replica.device == total.device \
+                    else total.to(replica.device, copy=True)
                 replica.grads[id(p)] = mine if previous is None else previous + mine
 
     # -- optimizer.step ------------------------------------------------------------------
