@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchstrategy as ts
+from torchstrategy.strategies import central_reads
 from core_helpers import assert_same_tensors, detached_state
 from test_core_equivalence import (B, LAST_B, REFERENCE_SEED, VARIANTS, l2_term, make_data,
                                    make_model, single_device_training)
@@ -81,6 +82,19 @@ def test_training_matches_single_device(num_replicas, references):
             assert int(state["step"]) == len(make_data())
 
 
+def test_training_with_copied_parameters_matches_single_device(references, monkeypatch):
+    """The path of compute devices other than the parameter device (GPUs): each replica
+    reads a copy of the parameters made when run starts, refreshed after the update."""
+    monkeypatch.setattr(central_reads.RunSession, "share_parameter_storage", False)
+    for variant in ("sgd", "adam"):
+        model, _, losses, _ = central_training(cpu_strategy(2), variant)
+        torch.testing.assert_close(torch.tensor(losses),
+                                   torch.tensor(references[variant]["losses"]),
+                                   atol=1e-5, rtol=0)
+        assert_same_tensors(detached_state(model), references[variant]["final"], atol=1e-5,
+                            rtol=0, what=f"{variant} with copies")
+
+
 def test_backward_sums_gradients_and_step_applies_once():
     strategy = cpu_strategy(2)
     with strategy.scope():
@@ -109,6 +123,24 @@ def test_backward_sums_gradients_and_step_applies_once():
     assert torch.equal(model.weight.detach(), expected_weight)
     assert torch.equal(seen["after0"], expected_weight) and torch.equal(seen["after1"],
                                                                         expected_weight)
+
+
+def test_gradient_accumulation_within_and_across_runs():
+    strategy = cpu_strategy(2)
+    with strategy.scope():
+        model = nn.Linear(2, 1, bias=False)
+
+    def two_backwards():
+        model(torch.ones(1, 2)).sum().backward()
+        model(torch.ones(1, 2)).sum().backward()   # the first sum is not summed again
+        return model.weight.grad.clone()
+
+    seen = strategy.run(two_backwards)
+    expected = torch.full((1, 2), 4.0)             # 2 replicas x 2 backward passes
+    assert all(torch.equal(g, expected) for g in seen.values)
+    assert torch.equal(model.weight.grad, expected)
+    strategy.run(lambda: model(torch.ones(1, 2)).sum().backward())   # no zero_grad
+    assert torch.equal(model.weight.grad, torch.full((1, 2), 6.0))
 
 
 def test_gradient_clipping_inside_run_matches_single_device():

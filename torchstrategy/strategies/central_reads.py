@@ -130,6 +130,11 @@ class RunSession:
     """The state of one ``strategy.run``: the replica copies, the gradient views, the
     rendezvous group.
 
+    Class attribute `share_parameter_storage`: on the parameter device a replica's copy
+    of a parameter shares the central storage (True, the default). False makes a real copy
+    there too, which is what every compute device other than the parameter device does;
+    the tests use it to check that path on machines without GPUs.
+
     Args:
       group: the `ReplicaGroup` of the run's threads.
       params: the central parameters (their order fixes the order of reduction).
@@ -137,6 +142,8 @@ class RunSession:
       devices: one compute `torch.device` per replica.
       parameter_device: where the central tensors live.
     """
+
+    share_parameter_storage = True
 
     def __init__(self, group, params, buffers, devices, parameter_device):
         self.group = group
@@ -156,7 +163,10 @@ class RunSession:
     def _make_copies(self, r, replica):
         device = replica.device
         for i, p in enumerate(self.params):
-            leaf = p.detach() if device == p.device else p.detach().to(device, copy=True)
+            if device == p.device and self.share_parameter_storage:
+                leaf = p.detach()
+            else:
+                leaf = p.detach().to(device, copy=True)
             if p.requires_grad:
                 leaf.requires_grad_(True)
                 self._hooks.append(leaf.register_post_accumulate_grad_hook(
