@@ -15,8 +15,8 @@ import torch.nn.functional as F
 import torchstrategy as ts
 from torchstrategy.strategies import central_reads
 from core_helpers import assert_same_tensors, detached_state
-from test_core_equivalence import (B, LAST_B, REFERENCE_SEED, VARIANTS, l2_term, make_data,
-                                   make_model, single_device_training)
+from test_core_equivalence import (REFERENCE_SEED, VARIANTS, l2_term, make_data, make_model,
+                                   single_device_training)
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -71,7 +71,12 @@ class _ThreadCommunicator:
 
     def _meet(self, what, value, action):
         replica = self._replica()
-        return replica.session.group.rendezvous(replica.replica_id, what, value, action)
+
+        def in_central_view(contributions):
+            with central_reads.central_view():
+                return action(contributions)
+        return replica.session.group.rendezvous(replica.replica_id, what, value,
+                                                action and in_central_view)
 
     def all_reduce(self, tensors, op, inplace=False):
         op = as_reduce_op(op)
@@ -229,7 +234,8 @@ class CentralStorageExtended(StrategyExtended):
                     "replicas, so it cannot be SUM-reduced across them (TensorFlow raises "
                     "too). Reduce the PerReplica returned by strategy.run.")
             if axis is None:
-                out.append(parts[0] if not distributed else _reduce_components(op, parts, self._parameter_device))
+                out.append(_reduce_components(op, parts, self._parameter_device)
+                           if distributed else parts[0])
                 continue
             for t in parts:
                 if t.dim() == 0 or not -t.dim() <= axis < t.dim():
