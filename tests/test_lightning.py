@@ -225,6 +225,19 @@ def test_mirrored_where_reexecution_is_impossible_names_the_notebook_mode():
         "replicas at fit time instead." in result.stdout, result.stdout
 
 
+def test_one_process_strategies_are_refused_with_the_reason():
+    """CentralStorageStrategy runs its replicas as threads of one process; Lightning's loop
+    runs once per process, so the adapter refuses it (by name or object) and says why."""
+    message = (r"CentralStorageStrategy runs all its replicas inside one process .* Use "
+               r"Trainer\(strategy='mirrored'\)")
+    with pytest.raises(ValueError, match=message):
+        _trainer(strategy="central_storage", accelerator="cpu", devices=1)
+    from torchstrategy.lightning import LightningStrategy
+
+    with pytest.raises(ValueError, match=message):
+        LightningStrategy(ts.CentralStorageStrategy(compute_devices=["cpu:0", "cpu:1"]))
+
+
 # -- collectives ------------------------------------------------------------------------
 def _collectives_replica():
     from torchstrategy.lightning import LightningStrategy

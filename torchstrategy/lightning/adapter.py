@@ -316,6 +316,7 @@ def _build_class(package):
                     raise RuntimeError(
                         f"{error} With Lightning, use Trainer(strategy='mirrored_notebook') "
                         "to start the replicas at fit time instead.") from error
+            _check_kind_supported(self._kind)
             cls_name = {"multi_worker_mirrored": "MultiWorkerMirroredStrategy",
                         "central_storage": "CentralStorageStrategy",
                         "tpu": "TPUStrategy"}.get(self._kind)
@@ -469,21 +470,36 @@ def _reduce_op(reduce_op):
     return reduce_op  # MAX, MIN, PRODUCT: torch.distributed's own op
 
 
+_ONE_PROCESS_STRATEGIES = ("CentralStorageStrategy", "TPUStrategy")
+
+
+def _unsupported_message(name):
+    return (f"{name} runs all its replicas inside one process (threads, or one XLA program), "
+            "but Lightning runs its training loop once per process, so the Lightning adapter "
+            "cannot drive it. Use Trainer(strategy='mirrored') (one process per device), or "
+            f"{name} with a custom training loop (strategy.run).")
+
+
+def _check_kind_supported(kind):
+    name = {"central_storage": "CentralStorageStrategy", "tpu": "TPUStrategy"}.get(kind)
+    if name is not None:
+        raise ValueError(_unsupported_message(name))
+
+
 def _check_supported(strategy):
     """The adapter runs Lightning's loop once per process, so every process must host
-    exactly one replica."""
+    exactly one replica, communicating over torch.distributed."""
+    from torchstrategy.collectives.communicator import Communicator
     from torchstrategy.strategies.base import Strategy
 
     if not isinstance(strategy, Strategy):
         raise TypeError(f"LightningStrategy wraps a torchstrategy strategy, got "
                         f"{type(strategy).__name__}.")
-    ext = strategy.extended
-    comm = getattr(ext, "communicator", None)
-    if comm is None or comm.world_size != strategy.num_replicas_in_sync:
-        raise ValueError(
-            f"{type(strategy).__name__} runs several replicas in one process; the Lightning "
-            "adapter supports strategies with one replica per process (the default "
-            "strategy, OneDeviceStrategy, MirroredStrategy, MultiWorkerMirroredStrategy).")
+    name = type(strategy).__name__
+    comm = getattr(strategy.extended, "communicator", None)
+    if name in _ONE_PROCESS_STRATEGIES or not isinstance(comm, Communicator) or \
+            comm.world_size != strategy.num_replicas_in_sync:
+        raise ValueError(_unsupported_message(name))
 
 
 def _mirror_module(strategy, module):
