@@ -226,7 +226,9 @@ def _build_class(package):
 
         @property
         def node_rank(self):
-            return self.global_rank // max(1, self._local_replicas()) if self._ts else 0
+            if self._ts is None:
+                return 0
+            return self.global_rank // max(1, self._local_replicas())
 
         @property
         def world_size(self):
