@@ -15,7 +15,9 @@ from torchstrategy import checkpoint, cluster_resolver
 from torchstrategy.cluster_resolver import (ClusterResolver, ClusterSpec, SimpleClusterResolver,
                                            TFConfigClusterResolver,
                                            TorchElasticClusterResolver)
+from torchstrategy.backup_and_restore import BackupAndRestore
 from torchstrategy.collectives.communicator import CollectiveError
+from torchstrategy.collectives.hierarchical import HierarchicalCopyAllReduce
 from torchstrategy.communication_options import (CommunicationImplementation,
                                                  CommunicationOptions)
 from torchstrategy.collectives.cross_device_ops import (CrossDeviceOps, NcclAllReduce,
@@ -29,6 +31,7 @@ from torchstrategy.reduce_op import ReduceOp
 from torchstrategy.replica_context import ReplicaContext
 from torchstrategy.strategies.base import Strategy, StrategyExtended
 from torchstrategy.strategies.mirrored import MirroredStrategy
+from torchstrategy.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from torchstrategy.strategies.one_device import OneDeviceStrategy
 from torchstrategy.values import DistributedValues, Mirrored, PerReplica
 from torchstrategy.variables import (MirroredVariable, SyncOnReadVariable, Variable,
@@ -38,6 +41,7 @@ from torchstrategy import values
 __version__ = "0.1.0"
 
 __all__ = [  # one name a line, sorted: adding a name touches one line
+    "BackupAndRestore",
     "ClusterResolver",
     "ClusterSpec",
     "CollectiveError",
@@ -45,11 +49,13 @@ __all__ = [  # one name a line, sorted: adding a name touches one line
     "CommunicationOptions",
     "CrossDeviceOps",
     "DistributedValues",
+    "HierarchicalCopyAllReduce",
     "InputContext",
     "InputOptions",
     "Mirrored",
     "MirroredStrategy",
     "MirroredVariable",
+    "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
     "PerReplica",
