@@ -144,6 +144,7 @@ class BackupAndRestore:
         self._datasets = []     # iterated with steps(), in order of first use
         self._pending_datasets = []
         self._pending_rng = None
+        self._epoch_rng = None  # the random state when the current epoch's steps began
 
     @property
     def path(self):
@@ -202,11 +203,12 @@ class BackupAndRestore:
         if len(payload["rng"]) == world:
             rng = payload["rng"][_rank()]
             if self.step == 0:
-                _set_rng_state(rng)
+                _set_rng_state(rng["now"])
             else:
-                # Mid-epoch: iterating a DataLoader draws from the generator when the
-                # iterator is made; the interrupted run had made it before the backup, so
-                # the state is set right after `steps` makes it again.
+                # Mid-epoch: the interrupted run had set up this epoch's iterator (which
+                # draws random numbers: shuffling, the loader's base seed) and fetched the
+                # batches already done before the backup. `steps` redoes that from the
+                # state the epoch began with, then sets the state of the backup.
                 self._pending_rng = rng
 
     # -- the loops -----------------------------------------------------------------------
@@ -240,9 +242,12 @@ class BackupAndRestore:
             if index < len(self._pending_datasets) and self._pending_datasets[index] is not None \
                     and hasattr(data, "load_state_dict"):
                 data.load_state_dict(self._pending_datasets[index])
+        if self._pending_rng is not None:
+            _set_rng_state(self._pending_rng["epoch_start"])
+        self._epoch_rng = _rng_state()
         iterator = self._positioned_iterator(data, self.epoch, self.step)
         if self._pending_rng is not None:
-            _set_rng_state(self._pending_rng)
+            _set_rng_state(self._pending_rng["now"])
             self._pending_rng = None
         for step, batch in enumerate(iterator, self.step):
             self.step = step
@@ -258,18 +263,21 @@ class BackupAndRestore:
 
         if isinstance(data, DistributedDataset):
             data.set_epoch(epoch, start_step)
-            return iter(data)
+            return iter(data)  # skips the first start_step steps now
         if callable(getattr(data, "set_epoch", None)):
             data.set_epoch(epoch)
         elif callable(getattr(getattr(data, "sampler", None), "set_epoch", None)):
             data.sampler.set_epoch(epoch)  # a DataLoader with a DistributedSampler
-        return itertools.islice(iter(data), start_step, None)
+        iterator = iter(data)
+        for _ in itertools.islice(iterator, start_step):
+            pass  # the steps done before the backup, skipped now (not at the first batch)
+        return iterator
 
     # -- writing -------------------------------------------------------------------------
     def save(self):
         """Backs up the tracked objects and the position now (every replica calls it; the
         chief writes). `epochs` and `steps` call it per `save_freq`."""
-        rng = _gather_to_chief(_rng_state())
+        rng = _gather_to_chief({"now": _rng_state(), "epoch_start": self._epoch_rng})
         error = None
         if _rank() == 0:
             try:

@@ -8,7 +8,6 @@ them. This needs nothing while training goes well: the store is touched only aft
 failure.
 """
 import itertools
-import os
 import time
 
 import torch.distributed as dist
@@ -17,17 +16,18 @@ _calls = itertools.count()
 DEFAULT_WAIT_SECONDS = 3.0
 
 
-def missing_replicas(rank, world_size, wait_seconds=DEFAULT_WAIT_SECONDS):
+def missing_replicas(rank, world_size, token, wait_seconds=DEFAULT_WAIT_SECONDS):
     """Signs this replica in and returns the ranks that did not sign in within
     `wait_seconds` (sorted; [] when everyone answered), or None when the rendezvous store
-    itself cannot be reached (the process hosting it is gone)."""
+    itself cannot be reached (the process hosting it is gone).
+
+    `token` is the same on every replica of this process group and new for each (a store
+    can outlive a group: torchrun restarts reuse it)."""
     try:
         store = dist.distributed_c10d._get_default_store()
     except (RuntimeError, ValueError, AttributeError):
         return None
-    # A restarted job (torchrun --max-restarts) may see the keys of earlier attempts.
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    prefix = f"torchstrategy/roll-call/{attempt}/{next(_calls)}"
+    prefix = f"torchstrategy/roll-call/{token}/{next(_calls)}"
     try:
         store.set(f"{prefix}/{rank}", "here")
         deadline = time.monotonic() + wait_seconds
@@ -41,11 +41,12 @@ def missing_replicas(rank, world_size, wait_seconds=DEFAULT_WAIT_SECONDS):
         return None
 
 
-def describe_missing(rank, world_size, name_of_rank=str, wait_seconds=DEFAULT_WAIT_SECONDS):
+def describe_missing(rank, world_size, token, name_of_rank=str,
+                     wait_seconds=DEFAULT_WAIT_SECONDS):
     """One sentence for an error message naming the missing replicas (see
     `missing_replicas`); `name_of_rank` turns a rank into words, e.g. "replica 3 (worker:1)".
     """
-    missing = missing_replicas(rank, world_size, wait_seconds)
+    missing = missing_replicas(rank, world_size, token, wait_seconds)
     if missing is None:
         return (f"The rendezvous store is unreachable: {name_of_rank(0)}, whose machine "
                 "hosts it, is gone.")

@@ -149,6 +149,9 @@ class _InputBase:
         return self._ext._wrap(batch)
 
 
+_END = object()
+
+
 class DistributedDataset(_InputBase):
     """The result of ``strategy.experimental_distribute_dataset(dataset)`` (see the module
     docstring). Iterate it once per epoch; ``len()`` is the number of steps when the
@@ -210,17 +213,30 @@ class DistributedDataset(_InputBase):
             self._sampler._seed = int(state["seed"])
 
     def __iter__(self):
+        # The loader's iterator is made (and a resumed epoch's first steps skipped) here,
+        # not at the first batch, so that a caller restoring random state (BackupAndRestore)
+        # can do it between the iterator's set-up and the first batch, as it happened in
+        # the run being resumed.
         epoch, start_step = self._epoch, self._start_step
         self._epoch += 1
         self._start_step = 0
         if self._sampler is not None:
             self._sampler.set_epoch(epoch, start_step)
-            for batch in self._loader:
-                if self._sampler.empty.popleft():
-                    batch = _empty_like_batch(batch)
-                yield self._deliver(batch)
-            return
-        for batch in itertools.islice(self._loader, start_step, None):
+            return self._sharded_batches(iter(self._loader))
+        batches = iter(self._loader)
+        for _ in range(start_step):
+            if next(batches, _END) is _END:
+                break
+        return self._sliced_batches(batches)
+
+    def _sharded_batches(self, batches):
+        for batch in batches:
+            if self._sampler.empty.popleft():
+                batch = _empty_like_batch(batch)
+            yield self._deliver(batch)
+
+    def _sliced_batches(self, batches):
+        for batch in batches:
             if self._num_replicas > 1:
                 batch = _slice_batch(batch, self._num_replicas, self._replica_id)
             yield self._deliver(batch)

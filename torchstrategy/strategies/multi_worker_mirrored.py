@@ -19,6 +19,7 @@ How the machines find each other:
 """
 import datetime
 import os
+import uuid
 
 import torch
 import torch.distributed as dist
@@ -119,7 +120,7 @@ def _establish_world(resolver, devices, implementation, timeout_seconds):
     return world, local
 
 
-def _roll_call_for(world, resolver):
+def _roll_call_for(world, resolver, token):
     """The failure diagnosis of this world: after a failed collective, name the replicas
     (and their machines' tasks) that did not answer."""
     tasks = resolver.training_tasks() if resolver.cluster_spec() else []
@@ -131,7 +132,8 @@ def _roll_call_for(world, resolver):
             len(tasks) == world.num_nodes else f"worker:{machine}"
         return f"replica {rank} (on {task})"
 
-    return lambda rank: roll_call.describe_missing(rank, world.world_size, name_of_rank)
+    return lambda rank: roll_call.describe_missing(rank, world.world_size, token,
+                                                   name_of_rank)
 
 
 class MultiWorkerMirroredStrategy(Strategy):
@@ -194,7 +196,9 @@ class MultiWorkerMirroredStrategy(Strategy):
         communicator = Communicator(group, world.rank, world.world_size, torch_device,
                                     cross_device_ops)
         if world.world_size > 1:
-            communicator_lib.failure_diagnosis = _roll_call_for(world, cluster_resolver)
+            token = communicator.broadcast_object(uuid.uuid4().hex)
+            communicator_lib.failure_diagnosis = _roll_call_for(world, cluster_resolver,
+                                                                token)
         bucket_bytes = options.bytes_per_pack or DEFAULT_BUCKET_CAP_BYTES
         super().__init__(StrategyExtended(self, communicator, torch_device,
                                           bucket_cap_bytes=bucket_bytes))
