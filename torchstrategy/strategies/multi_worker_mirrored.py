@@ -120,6 +120,16 @@ def _establish_world(resolver, devices, implementation, timeout_seconds):
     return world, local
 
 
+def _restarts_share_a_stale_store(world):
+    """True under a torchrun whose restarts on several machines reuse one rendezvous store
+    without a per-round prefix (torch's default since 2.4): the process group of a restarted
+    round can then read keys left by the previous round. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    gives every round a fresh store."""
+    return (world.launcher == "torchrun" and world.num_nodes > 1
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0)
+
+
 def _roll_call_for(world, resolver, token):
     """The failure diagnosis of this world: after a failed collective, name the replicas
     (and their machines' tasks) that did not answer."""
@@ -206,6 +216,12 @@ class MultiWorkerMirroredStrategy(Strategy):
         self._resolver = cluster_resolver
         self._options = options
         self._devices = tuple(d.name for d in local)
+        if world.rank == 0 and _restarts_share_a_stale_store(world):
+            logger.warning(
+                "torchrun restarts this multi-machine job (--max-restarts) with its shared "
+                "rendezvous store: a restarted round can then read the previous round's "
+                "addresses and hang in set-up. Start torchrun with "
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment on every machine.")
         if world.rank == 0:
             logger.info(f"MultiWorkerMirroredStrategy with {world.world_size} replica(s) on "
                         f"{world.num_nodes} worker(s), {world.local_world_size} per worker "
