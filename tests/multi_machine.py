@@ -34,6 +34,8 @@ def clean_env(**extra):
                  "TORCHSTRATEGY_PARENT_PID"):
         env.pop(name, None)
     env.setdefault("TORCHSTRATEGY_TIMEOUT_SECONDS", "60")
+    # The "machines" share this one's cores: one thread per replica, as torchrun sets.
+    env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     env.update({k: str(v) for k, v in extra.items()})
     return env
@@ -121,8 +123,9 @@ def start_torchrun_machines(mode, outdir, nproc, *, nnodes=2, hosts=None, netns=
 
 
 def start_tf_config_machines(mode, outdir, replicas, *, jobs=("worker", "worker"),
-                             hosts=None, netns=None, ifnames=None, **env):
-    """Starts one ``python script`` per task of a TF_CONFIG cluster (task i = machine i)."""
+                             hosts=None, netns=None, ifnames=None, argv=None, **env):
+    """Starts one ``python script`` per task of a TF_CONFIG cluster (task i = machine i);
+    `argv` replaces the test script and its arguments (e.g. an example's)."""
     hosts = hosts or ["127.0.0.1"] * len(jobs)
     port = free_port(hosts[0], netns[0] if netns else None)
     # Only the first task's port is used (machine 0 hosts the rendezvous store there).
@@ -136,7 +139,7 @@ def start_tf_config_machines(mode, outdir, replicas, *, jobs=("worker", "worker"
         extra = dict(env, TF_CONFIG=json.dumps(config))
         if ifnames:
             extra["GLOO_SOCKET_IFNAME"] = ifnames[i]
-        command = [sys.executable, SCRIPT, mode, str(outdir), str(replicas)]
+        command = [sys.executable] + (argv or [SCRIPT, mode, str(outdir), str(replicas)])
         machines.append(Machine(command, clean_env(**extra),
                                 os.path.join(outdir, f"machine{i}.log"),
                                 netns[i] if netns else None))

@@ -7,6 +7,7 @@ batches (the core equivalence test's model, data and tolerance), with the defaul
 all-reduce and with HierarchicalCopyAllReduce, and the strategy must know its cluster.
 """
 import os
+import re
 
 import pytest
 import torch
@@ -91,6 +92,19 @@ def test_two_machines_on_separate_addresses(tmp_path, reference, launcher):
                                                 ifnames=ifnames)
             tasks = [("worker", 0)] * 2 + [("worker", 1)] * 2
         _check_training(tmp_path, machines, reference, tasks)
+
+
+def test_the_example_trains_on_two_tf_config_machines(tmp_path):
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "multi_worker.py")
+    machines = start_tf_config_machines(None, tmp_path, None,
+                                        argv=[example, "--replicas", "1", "--epochs", "5"])
+    codes = wait_all(machines)
+    chief_log = machines[0].log()
+    assert codes == [0, 0], chief_log[-3000:] + machines[1].log()[-3000:]
+    assert "2 worker(s), 2 replicas (this one: task worker:0)" in chief_log
+    found = re.findall(r"^test accuracy: ([0-9.]+)", chief_log, flags=re.MULTILINE)
+    assert len(found) == 1 and float(found[0]) > 0.9, chief_log
+    assert "test accuracy" not in machines[1].log()  # only the chief prints
 
 
 # -- malformed TF_CONFIG: a clear error before anything is launched or waited for ----------
