@@ -14,7 +14,7 @@ This module only re-exports the public surface; see the submodules for the detai
 from torchstrategy import checkpoint, cluster_resolver
 from torchstrategy.cluster_resolver import (ClusterResolver, ClusterSpec, SimpleClusterResolver,
                                            TFConfigClusterResolver,
-                                           TorchElasticClusterResolver)
+                                           TorchElasticClusterResolver, TPUClusterResolver)
 from torchstrategy.backup_and_restore import BackupAndRestore
 from torchstrategy.collectives.communicator import CollectiveError
 from torchstrategy.collectives.hierarchical import HierarchicalCopyAllReduce
@@ -33,6 +33,7 @@ from torchstrategy.strategies.base import Strategy, StrategyExtended
 from torchstrategy.strategies.mirrored import MirroredStrategy
 from torchstrategy.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from torchstrategy.strategies.one_device import OneDeviceStrategy
+from torchstrategy.strategies.tpu import TPUStrategy  # imports torch_xla only when made
 from torchstrategy.values import DistributedValues, Mirrored, PerReplica
 from torchstrategy.variables import (MirroredVariable, SyncOnReadVariable, Variable,
                                      VariableAggregation, VariableSynchronization)
@@ -67,6 +68,8 @@ __all__ = [  # one name a line, sorted: adding a name touches one line
     "StrategyExtended",
     "SyncOnReadVariable",
     "TFConfigClusterResolver",
+    "TPUClusterResolver",
+    "TPUStrategy",
     "TorchElasticClusterResolver",
     "ValueContext",
     "Variable",
