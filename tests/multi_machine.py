@@ -123,9 +123,12 @@ def start_torchrun_machines(mode, outdir, nproc, *, nnodes=2, hosts=None, netns=
 
 
 def start_tf_config_machines(mode, outdir, replicas, *, jobs=("worker", "worker"),
-                             hosts=None, netns=None, ifnames=None, argv=None, **env):
+                             hosts=None, netns=None, ifnames=None, argv=None, only=None,
+                             **env):
     """Starts one ``python script`` per task of a TF_CONFIG cluster (task i = machine i);
-    `argv` replaces the test script and its arguments (e.g. an example's)."""
+    `argv` replaces the test script and its arguments (e.g. an example's); `only` lists the
+    tasks to start (default all)."""
+    os.makedirs(outdir, exist_ok=True)
     hosts = hosts or ["127.0.0.1"] * len(jobs)
     port = free_port(hosts[0], netns[0] if netns else None)
     # Only the first task's port is used (machine 0 hosts the rendezvous store there).
@@ -134,6 +137,8 @@ def start_tf_config_machines(mode, outdir, replicas, *, jobs=("worker", "worker"
         cluster.setdefault(job, []).append(f"{hosts[i]}:{port if i == 0 else 2222}")
     machines = []
     for i, job in enumerate(jobs):
+        if only is not None and i not in only:
+            continue
         index = cluster[job].index(f"{hosts[i]}:{port if i == 0 else 2222}")
         config = {"cluster": cluster, "task": {"type": job, "index": index}}
         extra = dict(env, TF_CONFIG=json.dumps(config))

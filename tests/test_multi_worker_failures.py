@@ -8,6 +8,7 @@
   error names the missing replica and its machine's task.
 """
 import os
+import re
 import time
 
 import pytest
@@ -68,3 +69,19 @@ def test_a_dead_or_hung_peer_fails_the_survivor_naming_it(tmp_path, mode, cause)
     assert "Missing: replica 1 (on worker:1) is not responding (died or stuck)." in log
     # Start-up (two interpreters importing torch) plus one timeout plus the roll call.
     assert elapsed < 60 + timeout
+
+
+def test_a_worker_that_never_comes_is_named_and_nobody_hangs(tmp_path):
+    """Each task of a two-worker cluster started alone, with a 5 s timeout: the first task
+    names the one missing; the other cannot reach the rendezvous and says where it looked."""
+    (first,) = start_tf_config_machines("peer_death", tmp_path / "first", replicas=1,
+                                        only=[0], TORCHSTRATEGY_TIMEOUT_SECONDS=5)
+    (second,) = start_tf_config_machines("peer_death", tmp_path / "second", replicas=1,
+                                         only=[1], TORCHSTRATEGY_TIMEOUT_SECONDS=5)
+    assert wait_all([first, second], timeout=120) == [1, 1]
+    assert ("torchstrategy: worker(s) ['worker:1'] did not join the cluster within 5 s. "
+            "Start `python train.py` with the same TF_CONFIG cluster (and its own task) on "
+            "every machine.") in first.log()
+    assert re.search(r"torchstrategy: task worker:1 could not reach the rendezvous at "
+                     r"127\.0\.0\.1:\d+ within 5 s: start the first task \(worker:0\) too",
+                     second.log()), second.log()[-2000:]

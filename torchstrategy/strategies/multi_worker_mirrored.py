@@ -100,21 +100,36 @@ def _establish_world(resolver, devices, implementation, timeout_seconds):
     parsed = parse_devices(devices) if devices is not None else None
     launched = mirrored._process_world or world_lib.from_environment()
     tasks = resolver.training_tasks() if resolver.cluster_spec() else []
+    node_rank = 0
+    if launched is None and tasks and resolver.task_type is not None:
+        node_rank = resolver.worker_index  # raises for a ps or evaluator task
     if launched is not None or len(tasks) <= 1:
         if launched is None:  # one machine: check before re-executing anything
             local = parsed or default_local_devices()
             _backend(implementation, local[0].kind)
         return mirrored.establish_world(devices, timeout_seconds)
-    node_rank = resolver.worker_index  # raises for a ps or evaluator task
     host, port = resolver.rendezvous_address()
     if port == 0:
         raise ValueError(f"The first training task's address {host}:{port} needs a real port: "
                          "the other machines connect to it.")
     local = parsed or default_local_devices()
     _backend(implementation, local[0].kind)
-    world = reexec.start_local_replicas(len(local), timeout_seconds, node_rank=node_rank,
-                                        num_nodes=len(tasks), master_addr=host,
-                                        master_port=port)
+    try:
+        world = reexec.start_local_replicas(len(local), timeout_seconds, node_rank=node_rank,
+                                            num_nodes=len(tasks), master_addr=host,
+                                            master_port=port)
+    except (RuntimeError, OSError) as error:  # DistStoreError / DistNetworkError included
+        me = f"{resolver.task_type}:{resolver.task_id}"
+        if node_rank == 0:
+            problem = (f"task {me} could not serve the rendezvous at {host}:{port} (its "
+                       "address in TF_CONFIG): is the port free and the address this "
+                       "machine's?")
+        else:
+            problem = (f"task {me} could not reach the rendezvous at {host}:{port} within "
+                       f"{timeout_seconds:g} s: start the first task "
+                       f"({tasks[0][0]}:{tasks[0][1]}) too, and check its address and that "
+                       "the port is open")
+        raise RuntimeError(f"torchstrategy: {problem}. ({error})") from error
     _agree_on_replicas_per_machine(world.store, world, timeout_seconds, tasks)
     mirrored._process_world = world
     return world, local
