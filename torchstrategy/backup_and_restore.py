@@ -84,6 +84,8 @@ def _rng_state():
 
 
 def _set_rng_state(state):
+    if state is None:  # not recorded (a backup written before any step ran)
+        return
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
@@ -180,6 +182,8 @@ class BackupAndRestore:
         return self
 
     def _read(self):
+        # The backup holds Python objects (random states), so it is fully unpickled: it is
+        # a file this class wrote in `backup_dir`, which must not be writable by others.
         payload = None
         if _rank() == 0 and os.path.exists(self.path):
             payload = torch.load(self.path, map_location="cpu", weights_only=False)
@@ -234,6 +238,9 @@ class BackupAndRestore:
         steps already done are skipped (a distributed DataLoader skips their indices without
         loading them). With an int `save_freq` a backup is written every `save_freq` steps,
         after the step's body. Datasets are backed up in the order `steps` first sees them.
+
+        Use it for the training data, once per epoch; iterate evaluation data directly (its
+        batches are not training steps).
         """
         index = next((i for i, d in enumerate(self._datasets) if d is data), None)
         if index is None:

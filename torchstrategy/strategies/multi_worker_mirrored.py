@@ -101,7 +101,7 @@ def _establish_world(resolver, devices, implementation, timeout_seconds):
     launched = mirrored._process_world or world_lib.from_environment()
     tasks = resolver.training_tasks() if resolver.cluster_spec() else []
     node_rank = 0
-    if launched is None and tasks and resolver.task_type is not None:
+    if tasks and resolver.task_type is not None:
         node_rank = resolver.worker_index  # raises for a ps or evaluator task
     if launched is not None or len(tasks) <= 1:
         if launched is None:  # one machine: check before re-executing anything
