@@ -30,6 +30,7 @@ from torchstrategy.losses import compute_average_loss, scale_regularization_loss
 from torchstrategy.reduce_op import ReduceOp
 from torchstrategy.replica_context import ReplicaContext
 from torchstrategy.strategies.base import Strategy, StrategyExtended
+from torchstrategy.strategies.central_storage import CentralStorageStrategy
 from torchstrategy.strategies.mirrored import MirroredStrategy
 from torchstrategy.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from torchstrategy.strategies.one_device import OneDeviceStrategy
@@ -43,6 +44,7 @@ __version__ = "0.1.0"
 
 __all__ = [  # one name a line, sorted: adding a name touches one line
     "BackupAndRestore",
+    "CentralStorageStrategy",
     "ClusterResolver",
     "ClusterSpec",
     "CollectiveError",
