@@ -29,9 +29,6 @@ import torchstrategy as ts  # noqa: E402
 from test_core_equivalence import l2_term, make_data, make_model  # noqa: E402
 
 mode, outdir = sys.argv[1], sys.argv[2]
-if os.environ.get("DEBUG_DUMP"):
-    import faulthandler
-    faulthandler.dump_traceback_later(float(os.environ["DEBUG_DUMP"]), exit=True)
 devices = [f"cpu:{i}" for i in range(int(sys.argv[3]))] if len(sys.argv) > 3 else None
 
 
