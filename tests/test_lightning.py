@@ -64,6 +64,16 @@ def test_boring_model_under_torchrun_matches_ddp(boring_ddp, tmp_path):
 
 
 @pytest.mark.timeout(400)
+def test_boring_model_multi_worker_name_under_torchrun_matches_ddp(boring_ddp, tmp_path):
+    """Trainer(strategy="multi_worker_mirrored") under torchrun (one machine here)."""
+    if not hasattr(ts, "MultiWorkerMirroredStrategy"):
+        pytest.skip("MultiWorkerMirroredStrategy is not in this torchstrategy")
+    ours = run_training(tmp_path, "--strategy", "multi_worker_mirrored", torchrun=True)
+    assert ours["world_size"] == 2
+    _assert_same_weights(ours["state_dict"], boring_ddp["state_dict"])
+
+
+@pytest.mark.timeout(400)
 def test_regression_fit_validate_test_predict_match_ddp(tmp_path):
     """LightningStrategy(ts.MirroredStrategy(["cpu:0", "cpu:1"])): weights, synced logged
     metrics (mean and max), validate/test results and predictions equal DDP's."""

@@ -93,7 +93,7 @@ def make_trainer(max_steps, callbacks=()):
         devices = "auto"
     elif args.strategy == "one_device":
         strategy, devices = "one_device", 1
-    else:  # "ddp", "mirrored", "mirrored_notebook" (run through stdin: python - ...)
+    else:  # "ddp", "mirrored", "multi_worker_mirrored", "mirrored_notebook" (stdin)
         strategy, devices = args.strategy, 2
     return pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices,
                       max_steps=max_steps, limit_val_batches=2, enable_progress_bar=False,

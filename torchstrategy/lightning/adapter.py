@@ -298,35 +298,41 @@ def _build_class(package):
                         f"asks for {count} device(s) on {self.num_nodes} node(s). Pass "
                         "devices=1, or use strategy='mirrored' for several devices.")
                 return ts.OneDeviceStrategy(devices[0])
-            if self._kind == "mirrored":
-                if self.num_nodes != 1:
-                    raise ValueError(
-                        f"Trainer(strategy='mirrored') runs on one machine, but num_nodes="
-                        f"{self.num_nodes}. Use strategy='multi_worker_mirrored' (under "
-                        "torchrun) for several machines, or pass num_nodes=1.")
-                if device_type not in ("cpu", "cuda"):
-                    raise ValueError(
-                        f"Trainer(strategy='mirrored') runs on CPU or CUDA devices, not "
-                        f"{device_type}. Pass accelerator='cpu' or 'cuda'.")
-                names = [f"cpu:{i}" for i in range(count)] if device_type == "cpu" else \
-                    [str(d) for d in devices]
-                try:
-                    return ts.MirroredStrategy(devices=names)
-                except RuntimeError as error:
-                    if "interactive" not in str(error) and "pytest" not in str(error):
-                        raise
-                    raise RuntimeError(
-                        f"{error} With Lightning, use Trainer(strategy='mirrored_notebook') "
-                        "to start the replicas at fit time instead.") from error
             _check_kind_supported(self._kind)
-            cls_name = {"multi_worker_mirrored": "MultiWorkerMirroredStrategy",
-                        "central_storage": "CentralStorageStrategy",
-                        "tpu": "TPUStrategy"}.get(self._kind)
-            if cls_name is None or not hasattr(ts, cls_name):
-                raise ValueError(f"Unknown or unavailable torchstrategy kind {self._kind!r}.")
-            strategy = getattr(ts, cls_name)()
-            _check_supported(strategy)
-            return strategy
+            if device_type not in ("cpu", "cuda"):
+                raise ValueError(
+                    f"Trainer(strategy={self._kind!r}) runs on CPU or CUDA devices, not "
+                    f"{device_type}. Pass accelerator='cpu' or 'cuda'.")
+            names = [f"cpu:{i}" for i in range(count)] if device_type == "cpu" else \
+                [str(d) for d in devices]
+            if self._kind == "multi_worker_mirrored":
+                if not hasattr(ts, "MultiWorkerMirroredStrategy"):
+                    raise ValueError("This torchstrategy has no MultiWorkerMirroredStrategy.")
+                # One replica per Trainer device on each machine; the machines come from
+                # torchrun's environment (or TF_CONFIG).
+                strategy = ts.MultiWorkerMirroredStrategy(devices=names)
+                if strategy.num_replicas_in_sync != count * self.num_nodes:
+                    raise ValueError(
+                        f"Trainer(num_nodes={self.num_nodes}, devices={count}) asks for "
+                        f"{count * self.num_nodes} replicas, but the job has "
+                        f"{strategy.num_replicas_in_sync}. Pass num_nodes= the number of "
+                        "machines and devices= the processes per machine.")
+                return strategy
+            if self._kind != "mirrored":
+                raise ValueError(f"Unknown torchstrategy kind {self._kind!r}.")
+            if self.num_nodes != 1:
+                raise ValueError(
+                    f"Trainer(strategy='mirrored') runs on one machine, but num_nodes="
+                    f"{self.num_nodes}. Use strategy='multi_worker_mirrored' (under "
+                    "torchrun) for several machines, or pass num_nodes=1.")
+            try:
+                return ts.MirroredStrategy(devices=names)
+            except RuntimeError as error:
+                if "interactive" not in str(error) and "pytest" not in str(error):
+                    raise
+                raise RuntimeError(
+                    f"{error} With Lightning, use Trainer(strategy='mirrored_notebook') "
+                    "to start the replicas at fit time instead.") from error
 
         def _configure_launcher(self):
             if self._start_method == "popen":
