@@ -34,10 +34,13 @@ from torchstrategy.values import DistributedValues, Mirrored, PerReplica
 from torchstrategy.variables import (MirroredVariable, SyncOnReadVariable, Variable,
                                      VariableAggregation, VariableSynchronization)
 from torchstrategy import values
+from torchstrategy import parameter_server
+from torchstrategy.parameter_server import ClusterCoordinator, ParameterServerStrategy, Server
 
 __version__ = "0.1.0"
 
 __all__ = [  # one name a line, sorted: adding a name touches one line
+    "ClusterCoordinator",
     "ClusterResolver",
     "ClusterSpec",
     "CollectiveError",
@@ -52,10 +55,12 @@ __all__ = [  # one name a line, sorted: adding a name touches one line
     "MirroredVariable",
     "NcclAllReduce",
     "OneDeviceStrategy",
+    "ParameterServerStrategy",
     "PerReplica",
     "ReduceOp",
     "ReductionToOneDevice",
     "ReplicaContext",
+    "Server",
     "SimpleClusterResolver",
     "Strategy",
     "StrategyExtended",
@@ -75,6 +80,7 @@ __all__ = [  # one name a line, sorted: adding a name touches one line
     "has_strategy",
     "in_cross_replica_context",
     "launch",
+    "parameter_server",
     "scale_regularization_loss",
     "values",
 ]
