@@ -75,7 +75,9 @@ class MinSizePartitioner(Partitioner):
         if not shape:
             return []
         total = shape[0] * _bytes_per_row(shape, dtype)
-        shards = min(self._max_shards, shape[0], max(1, total // self._min_shard_bytes))
+        # TensorFlow rounds up (min_max_variable_partitioner), and so does this.
+        shards = min(self._max_shards, shape[0],
+                     max(1, math.ceil(total / self._min_shard_bytes)))
         return _result(shape, int(shards))
 
 
