@@ -102,3 +102,16 @@ def lookup(table, ids):
     from torchstrategy.parameter_server import embedding_lookup
 
     return embedding_lookup(table, ids)
+
+
+def counted_slow_step(counter, seconds):
+    import time
+
+    time.sleep(seconds)
+    counter.assign_add(1.0)
+    return whoami()
+
+
+def whoami_after_next(iterator):
+    next(iterator)
+    return whoami()

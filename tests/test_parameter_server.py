@@ -288,3 +288,37 @@ def test_errors_name_the_fix(cluster):
     with pytest.raises(ValueError, match="not created in strategy.scope"):
         coordinator.schedule(h.train_step, args=(plain, torch.optim.SGD(plain.parameters(),
                                                                         lr=0.1), None))
+
+
+def _listening_addresses(pid):
+    """The local addresses of the TCP sockets process `pid` listens on (from /proc)."""
+    import os
+
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                    found.append(fields[1].split(":")[0])
+    return found
+
+
+def test_every_task_listens_only_on_its_spec_address(cluster):
+    import os
+
+    ts.ParameterServerStrategy(cluster)
+    pids = [os.getpid()] + [cluster.process(job, i).pid
+                            for job, i in (("worker", 0), ("worker", 1), ("ps", 0), ("ps", 1))]
+    for pid in pids:
+        addresses = _listening_addresses(pid)
+        assert addresses, pid
+        assert set(addresses) == {"0100007F"}, (pid, addresses)   # 127.0.0.1 only
