@@ -116,8 +116,7 @@ def main():
 
         # -- Inline evaluation on the coordinator ---------------------------------------
         _, x_test, _, y_test = load_data()
-        model.state_dict()    # refreshes the chief's copy from the parameter servers
-        with torch.no_grad():
+        with torch.no_grad():   # the chief's model reads the parameter servers' values
             test_accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
         print(f"test accuracy: {test_accuracy:.4f}")
 

@@ -2,13 +2,13 @@
 and ClusterCoordinator). See docs/parameter_server.md."""
 from torchstrategy.parameter_server.coordinator import (ClosureCancelledError,
                                                         ClusterCoordinator, PerWorkerDataset,
-                                                        PerWorkerValues, RemoteValue)
+                                                        PerWorkerIterator, PerWorkerValues,
+                                                        RemoteValue)
 from torchstrategy.parameter_server.local_cluster import LocalCluster, local_cluster
 from torchstrategy.parameter_server.partitioners import (FixedShardsPartitioner,
                                                          MaxSizePartitioner,
                                                          MinSizePartitioner, Partitioner)
-from torchstrategy.parameter_server.remote import (ParameterServerUnavailableError,
-                                                   WorkerUnavailableError)
+from torchstrategy.parameter_server.remote import ParameterServerUnavailableError
 from torchstrategy.parameter_server.server import Server
 from torchstrategy.parameter_server.strategy import ParameterServerStrategy
 from torchstrategy.parameter_server.variables import (PSVariable, ShardedVariable,
@@ -26,11 +26,11 @@ __all__ = [
     "ParameterServerUnavailableError",
     "Partitioner",
     "PerWorkerDataset",
+    "PerWorkerIterator",
     "PerWorkerValues",
     "RemoteValue",
     "Server",
     "ShardedVariable",
-    "WorkerUnavailableError",
     "embedding_lookup",
     "local_cluster",
 ]

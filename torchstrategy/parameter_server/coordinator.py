@@ -118,12 +118,11 @@ class PerWorkerDataset:
 
 
 class _Closure:
-    __slots__ = ("payload", "remote_value", "attempts")
+    __slots__ = ("payload", "remote_value")
 
     def __init__(self, payload, remote_value):
         self.payload = payload
         self.remote_value = remote_value
-        self.attempts = 0
 
 
 class _Worker:
@@ -361,8 +360,9 @@ def _worker_loop(coordinator_ref, worker):
     """One thread per worker: runs queued closures there one at a time."""
     while True:
         coordinator = coordinator_ref()
-        if coordinator is None or coordinator._closed:
-            return
+        if coordinator is None or coordinator._closed or \
+                rpc_world.current() is not coordinator._membership:
+            return  # the coordinator or the cluster is gone
         if not worker.alive:
             if not _wait_for_rejoin(coordinator, worker):
                 del coordinator
@@ -379,7 +379,6 @@ def _worker_loop(coordinator_ref, worker):
 
 
 def _run_on(coordinator, worker, closure):
-    closure.attempts += 1
     try:
         future = rpc.rpc_async(worker.name, worker_runtime.run_closure,
                                args=(closure.payload,), timeout=coordinator._closure_timeout)

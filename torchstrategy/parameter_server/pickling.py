@@ -17,7 +17,6 @@ import io
 import pickle
 import types
 
-import torch
 
 
 def _is_main_object(obj):
@@ -94,20 +93,24 @@ def dumps(obj, resolve):
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file, load_reference):
+    def __init__(self, file, load_reference, class_map):
         super().__init__(file)
         self._load_reference = load_reference
+        self._class_map = class_map or {}
 
     def persistent_load(self, ref):
         if ref[0] == "by_value":
-            return _Unpickler(io.BytesIO(ref[1]), self._load_reference).load()
+            return _Unpickler(io.BytesIO(ref[1]), self._load_reference,
+                              self._class_map).load()
         return self._load_reference(ref)
 
+    def find_class(self, module, name):
+        replacement = self._class_map.get((module, name))
+        return replacement if replacement is not None else super().find_class(module, name)
 
-def loads(data, load_reference):
-    """Unpickles what `dumps` made; ``load_reference(ref)`` turns references into objects."""
-    return _Unpickler(io.BytesIO(data), load_reference).load()
 
+def loads(data, load_reference, class_map=None):
+    """Unpickles what `dumps` made; ``load_reference(ref)`` turns references into objects;
+    `class_map` maps ``(module, name)`` of a class to the class to build instead."""
+    return _Unpickler(io.BytesIO(data), load_reference, class_map).load()
 
-def is_tensor(obj):
-    return isinstance(obj, torch.Tensor)

@@ -12,9 +12,11 @@ import torch.distributed.rpc as rpc
 
 from torchstrategy.parameter_server import ps_store
 
+# What TensorPipe's and the rpc agent's errors say when a peer is gone or silent.
 _TRANSPORT_MARKERS = ("timeout", "timed out", "connection", "pipe", "eof", "closed",
                       "reset by peer", "broken", "refused", "unreachable", "shut",
-                      "could not find destination", "unknown destination")
+                      "could not find destination", "unknown destination",
+                      "no longer running")
 
 
 class ParameterServerUnavailableError(RuntimeError):
@@ -22,12 +24,8 @@ class ParameterServerUnavailableError(RuntimeError):
     for this run. Restart the cluster and restore the variables from the last checkpoint."""
 
 
-class WorkerUnavailableError(RuntimeError):
-    """A worker cannot be reached (it died or does not answer)."""
-
-
 def is_transport_error(error):
-    if isinstance(error, (ParameterServerUnavailableError, WorkerUnavailableError)):
+    if isinstance(error, ParameterServerUnavailableError):
         return True
     if not isinstance(error, (RuntimeError, TimeoutError, ConnectionError)):
         return False

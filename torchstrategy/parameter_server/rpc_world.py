@@ -26,7 +26,6 @@ import struct
 import threading
 import time
 
-import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
@@ -304,11 +303,3 @@ def leave():
         done.wait(10.0)
         _membership = None
 
-
-def wait_all(futures, timeout):
-    """Waits for torch futures, each bounded (rpc futures carry their own timeout too)."""
-    return [f.wait() for f in futures]
-
-
-def to_cpu(tensor):
-    return tensor.detach().to("cpu") if isinstance(tensor, torch.Tensor) else tensor

@@ -3,10 +3,11 @@
 The program runs on the chief (the coordinator). Parameters of modules created in
 ``strategy.scope()``, and ``ts.Variable``s created there, are placed on the parameter servers,
 round-robin, each large one split along dimension 0 into a `ShardedVariable` when a
-`variable_partitioner` says so. The chief's module keeps its own tensors as a local copy:
-``model.state_dict()`` fetches the current values first, and ``model.load_state_dict(...)``
-sends the loaded values to the parameter servers, so checkpoints are plain state dicts that
-load into any number of shards or into a model without a strategy.
+`variable_partitioner` says so. The chief's module keeps its own tensors as a local copy,
+refreshed from the parameter servers whenever the module runs (forward) and by
+``model.state_dict()``; ``model.load_state_dict(...)`` sends the loaded values to the
+parameter servers. Checkpoints are therefore plain state dicts that load into any number of
+shards or into a model without a strategy.
 
 Training runs on workers through a `ClusterCoordinator`: see `coordinator` and
 docs/parameter_server.md.
@@ -158,6 +159,7 @@ class ParameterServerStrategyExtended:
         if id(module) in self._hooked_modules:
             return
         self._hooked_modules.add(id(module))
+        module.register_forward_pre_hook(_ChiefHook(self._pull_before_forward))
         module.register_state_dict_pre_hook(_ChiefHook(self._pull_module))
         module.register_load_state_dict_post_hook(_ChiefHook(self._push_module))
 
@@ -172,6 +174,9 @@ class ParameterServerStrategyExtended:
             with torch.no_grad():
                 for (param, _), value in zip(placed, values):
                     param.copy_(value)
+
+    def _pull_before_forward(self, module, args):
+        self._pull_module(module, "", False)
 
     def _push_module(self, module, incompatible_keys):
         for param, layout in self._own_placed(module):

@@ -4,8 +4,8 @@ Each closure arrives pickled (see `pickling`). Parameters in it are references t
 parameter-server variables; the worker keeps one local tensor per variable and, before the
 function runs, refreshes every one the closure uses with a single fetch per parameter
 server. Embedding tables (``nn.Embedding`` weights placed on parameter servers) are not
-fetched whole: the embedding's forward fetches only the rows it looks up, and its backward
-records gradients for those rows only. ``optimizer.step()`` inside the function pushes the
+fetched whole: an ``nn.Embedding`` arrives as a `WorkerEmbedding`, whose forward fetches
+only the rows it looks up and whose backward records gradients for those rows only. ``optimizer.step()`` inside the function pushes the
 gradients (`WorkerOptimizer`); the parameter servers apply them with the real optimizer.
 
 The result goes back as ``("ok", value)`` or ``("error", kind, exception, traceback)``, so
@@ -13,7 +13,6 @@ the coordinator can tell a failing function from a failing worker.
 """
 import threading
 import traceback
-import types
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +37,10 @@ def _local_param(layout):
     with _lock:
         param = _local_params.get(layout.key)
         if param is None:
-            param = torch.zeros(layout.shape, dtype=layout.dtype)
+            # An embedding table is never filled here (rows are fetched on demand): empty
+            # memory is not touched, so a large table costs no resident memory.
+            param = torch.empty(layout.shape, dtype=layout.dtype) if layout.embedding \
+                else torch.zeros(layout.shape, dtype=layout.dtype)
             if layout.trainable:
                 param = torch.nn.Parameter(param)
             _local_params[layout.key] = param
@@ -126,31 +128,26 @@ class _RowLookup(torch.autograd.Function):
         return None, None, None
 
 
-def _lazy_embedding_forward(module, input):
-    if module.max_norm is not None:
-        raise NotImplementedError("nn.Embedding(max_norm=...) is not supported for a table "
-                                  "held by parameter servers.")
-    layout = _layouts[module.weight._ts_key]
-    out = _RowLookup.apply(module.weight, input, layout)
-    if module.padding_idx is not None:
-        out = out * (input != module.padding_idx).unsqueeze(-1).to(out.dtype)
-    return out
+class WorkerEmbedding(torch.nn.Embedding):
+    """What an ``nn.Embedding`` becomes on a worker: when its table is held by parameter
+    servers, forward fetches only the rows looked up (and backward records their
+    gradients); otherwise it is the plain embedding."""
+
+    def forward(self, input):
+        key = getattr(self.weight, "_ts_key", None)
+        layout = _layouts.get(key)
+        if layout is None or not layout.embedding:
+            return super().forward(input)
+        if self.max_norm is not None:
+            raise NotImplementedError("nn.Embedding(max_norm=...) is not supported for a "
+                                      "table held by parameter servers.")
+        out = _RowLookup.apply(self.weight, input, layout)
+        if self.padding_idx is not None:
+            out = out * (input != self.padding_idx).unsqueeze(-1).to(out.dtype)
+        return out
 
 
-def _patch_embeddings(structure):
-    seen = set()
-    for leaf in nest.flatten(structure)[0] if isinstance(structure, (list, tuple, dict)) \
-            else [structure]:
-        if isinstance(leaf, torch.nn.Module):
-            for module in leaf.modules():
-                if id(module) in seen:
-                    continue
-                seen.add(id(module))
-                weight = getattr(module, "weight", None)
-                if isinstance(module, torch.nn.Embedding) and weight is not None and \
-                        getattr(weight, "_ts_key", None) in _layouts and \
-                        _layouts[weight._ts_key].embedding:
-                    module.forward = types.MethodType(_lazy_embedding_forward, module)
+_CLASS_MAP = {("torch.nn.modules.sparse", "Embedding"): WorkerEmbedding}
 
 
 def _load_reference(ref):
@@ -209,8 +206,7 @@ def run_closure(payload):
     server could not be reached, "user" otherwise."""
     _state.used = {}
     try:
-        fn, args, kwargs = pickling.loads(payload, _load_reference)
-        _patch_embeddings((args, kwargs))
+        fn, args, kwargs = pickling.loads(payload, _load_reference, _CLASS_MAP)
         _pull(_state.used)
         result = fn(*args, **kwargs)
         return ("ok", _detached(result))
@@ -232,7 +228,8 @@ def create_per_worker_value(key, payload, input_context=None):
     """Rpc target: calls the pickled ``fn()`` (``fn(ts.InputContext)`` when `input_context`
     is ``(num_workers, worker_index)``) and keeps the result as this worker's value for
     `key`."""
-    fn, args, make_iterator = pickling.loads(payload, _load_reference_outside_closure)
+    fn, args, make_iterator = pickling.loads(payload, _load_reference_outside_closure,
+                                             _CLASS_MAP)
     if input_context is not None:
         from torchstrategy.input.contexts import InputContext
 
