@@ -81,3 +81,61 @@ def test_worker_death_ps_death_and_restore(tmp_path):
         for key, value in restored.state_dict().items():   # read back from the servers
             torch.testing.assert_close(value, saved[key])
         assert h.evaluate(restored) < 0.3
+
+
+def test_server_without_tf_config_names_the_fix():
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    result = subprocess.run([sys.executable, "-m", "torchstrategy.server"], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "A Server is a 'worker' or 'ps' task" in result.stderr
+    assert "Set TF_CONFIG's task" in result.stderr
+
+
+_ORPHAN_CHILD = """
+import sys, time
+import torchstrategy as ts
+cluster = ts.parameter_server.local_cluster(num_workers=1, num_ps=1)
+print(cluster.process("worker", 0).pid, cluster.process("ps", 0).pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_servers_die_with_the_process_that_started_them():
+    """No orphans: SIGKILL the process that made a local cluster; its servers end too."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", _ORPHAN_CHILD], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        pids = [int(p) for p in child.stdout.readline().split()]
+        assert len(pids) == 2
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        alive = pids
+        while alive and time.monotonic() < deadline:
+            alive = [p for p in alive if _is_running(p)]
+            time.sleep(0.1)
+        assert not alive, f"servers {alive} outlived the process that started them"
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def _is_running(pid):
+    import os
+
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"   # a zombie has ended
+    except FileNotFoundError:
+        return False

@@ -385,7 +385,9 @@ def _run_on(coordinator, worker, closure):
         result = future.wait()
     except Exception as error:
         if not remote.is_transport_error(error):
-            _finish(coordinator, closure, error=error)
+            # The call itself failed on the worker (e.g. the result could not be pickled):
+            # the function's failure, not the worker's.
+            _fail_closure(coordinator, worker, closure, error)
             return
         # The worker is gone: give the closure back (at the front) and drop the worker.
         worker.alive = False
@@ -406,7 +408,10 @@ def _run_on(coordinator, worker, closure):
         _finish(coordinator, closure, error=error)
         coordinator._fail_all_queued(error)
         return
-    error = _with_remote_trace(error, worker.name, trace)
+    _fail_closure(coordinator, worker, closure, _with_remote_trace(error, worker.name, trace))
+
+
+def _fail_closure(coordinator, worker, closure, error):
     with coordinator._cv:
         if coordinator._error is None:
             coordinator._error = error
