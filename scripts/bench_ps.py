@@ -1,16 +1,19 @@
 """Parameter-server benchmark: what scheduling costs, and how steps scale with workers.
 
-    .venv/bin/python scripts/bench_ps.py [--closures 300] [--steps 200]
+    .venv/bin/python scripts/bench_ps.py [--closures 700] [--steps 200]
 
 Prints, measured side by side in one run on local clusters (127.0.0.1):
 1. the round trip of one empty scheduled function (schedule + fetch, one at a time)
    against a bare ``rpc_async(...).wait()`` of the same no-op function to the same worker
    (the physical floor of one rpc): their ratio is the coordinator's overhead;
 2. throughput of many empty functions scheduled at once (the queue kept full);
-3. training steps per second of a small MLP with 1 and with 2 workers (1 ps), and their ratio.
+3. training steps per second of a small MLP with 1 and with 2 workers (1 ps), and their ratio,
+   with the time ``schedule`` itself takes on the chief for such a step.
+The rpc figures are medians over chunks interleaved with each other.
 """
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -59,11 +62,23 @@ def train_step(model, optimizer, iterator):
 
 
 def per_call_ms(fn, n):
-    fn()  # warm-up: connections, first pickling
     start = time.perf_counter()
     for _ in range(n):
         fn()
     return (time.perf_counter() - start) / n * 1e3
+
+
+def interleaved_medians(measures, total, rounds=7):
+    """Runs each measure in turn, `rounds` times, `total / rounds` calls a chunk, so slow
+    phases of a busy machine hit every measure alike; returns each one's median ms/call."""
+    for measure in measures.values():
+        measure(10)  # warm-up: connections, first pickling
+    chunk = max(1, total // rounds)
+    samples = {name: [] for name in measures}
+    for _ in range(rounds):
+        for name, measure in measures.items():
+            samples[name].append(measure(chunk))
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def steps_per_second(num_workers, steps):
@@ -87,7 +102,7 @@ def steps_per_second(num_workers, steps):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--closures", type=int, default=300)
+    parser.add_argument("--closures", type=int, default=700)
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -95,13 +110,22 @@ def main():
     with ts.parameter_server.local_cluster(num_workers=1, num_ps=1) as cluster:
         strategy = ts.ParameterServerStrategy(cluster)
         coordinator = ts.ClusterCoordinator(strategy)
-        bare = per_call_ms(lambda: rpc.rpc_async("worker:0", noop).wait(), args.closures)
-        scheduled = per_call_ms(lambda: coordinator.schedule(noop).fetch(), args.closures)
-        start = time.perf_counter()
-        for _ in range(args.closures):
-            coordinator.schedule(noop)
-        coordinator.join()
-        pipelined = (time.perf_counter() - start) / args.closures * 1e3
+        def bare(n):
+            return per_call_ms(lambda: rpc.rpc_async("worker:0", noop).wait(), n)
+
+        def scheduled(n):
+            return per_call_ms(lambda: coordinator.schedule(noop).fetch(), n)
+
+        def queued(n):
+            start = time.perf_counter()
+            for _ in range(n):
+                coordinator.schedule(noop)
+            coordinator.join()
+            return (time.perf_counter() - start) / n * 1e3
+
+        medians = interleaved_medians({"bare": bare, "scheduled": scheduled,
+                                       "queued": queued}, args.closures)
+    bare, scheduled, pipelined = medians["bare"], medians["scheduled"], medians["queued"]
     print(f"bare rpc_async round trip          {bare:8.3f} ms")
     print(f"schedule + fetch, one at a time    {scheduled:8.3f} ms   "
           f"({scheduled / bare:.2f}x the bare rpc; overhead {scheduled - bare:.3f} ms)")
