@@ -139,3 +139,44 @@ def _is_running(pid):
             return f.read().split(")")[-1].split()[0] != "Z"   # a zombie has ended
     except FileNotFoundError:
         return False
+
+
+_CHIEF = """
+import json, sys, time
+import torchstrategy as ts
+strategy = ts.ParameterServerStrategy(ts.SimpleClusterResolver(
+    json.loads(sys.argv[1]), task_type="chief", task_id=0), startup_timeout=120)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_servers_started_by_flags_exit_when_the_chief_dies():
+    """Servers run on their own (`--cluster_spec` flags); a SIGKILLed chief cannot leave
+    them hanging: they notice within seconds and exit with code 3."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from torchstrategy.parameter_server.local_cluster import _free_port
+
+    spec = {"chief": [f"127.0.0.1:{_free_port()}"], "worker": ["127.0.0.1:1"],
+            "ps": ["127.0.0.1:2"]}
+    servers = [subprocess.Popen([sys.executable, "-m", "torchstrategy.server",
+                                 "--cluster_spec", json.dumps(spec), "--task_type", job,
+                                 "--task_id", "0", "--startup_timeout", "120"])
+               for job in ("worker", "ps")]
+    chief = subprocess.Popen([sys.executable, "-c", _CHIEF, json.dumps(spec)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert chief.stdout.readline().strip() == "ready"
+        assert all(server.poll() is None for server in servers)
+        chief.send_signal(signal.SIGKILL)
+        chief.wait(timeout=30)
+        assert [server.wait(timeout=60) for server in servers] == [3, 3]
+    finally:
+        for process in servers + [chief]:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
