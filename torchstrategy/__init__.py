@@ -14,7 +14,7 @@ This module only re-exports the public surface; see the submodules for the detai
 from torchstrategy import checkpoint, cluster_resolver
 from torchstrategy.cluster_resolver import (ClusterResolver, ClusterSpec, SimpleClusterResolver,
                                            TFConfigClusterResolver,
-                                           TorchElasticClusterResolver)
+                                           TorchElasticClusterResolver, TPUClusterResolver)
 from torchstrategy.collectives.communicator import CollectiveError
 from torchstrategy.communication_options import (CommunicationImplementation,
                                                  CommunicationOptions)
@@ -30,6 +30,7 @@ from torchstrategy.replica_context import ReplicaContext
 from torchstrategy.strategies.base import Strategy, StrategyExtended
 from torchstrategy.strategies.mirrored import MirroredStrategy
 from torchstrategy.strategies.one_device import OneDeviceStrategy
+from torchstrategy.strategies.tpu import TPUStrategy  # imports torch_xla only when made
 from torchstrategy.values import DistributedValues, Mirrored, PerReplica
 from torchstrategy.variables import (MirroredVariable, SyncOnReadVariable, Variable,
                                      VariableAggregation, VariableSynchronization)
@@ -66,6 +67,8 @@ __all__ = [  # one name a line, sorted: adding a name touches one line
     "StrategyExtended",
     "SyncOnReadVariable",
     "TFConfigClusterResolver",
+    "TPUClusterResolver",
+    "TPUStrategy",
     "TorchElasticClusterResolver",
     "ValueContext",
     "Variable",
