@@ -3,6 +3,7 @@
 One cluster serves the whole module (starting rpc servers is slow); the tests that break a
 task come last in tests/test_parameter_server_failures.py, on a cluster of their own.
 """
+import os
 import pickle
 import threading
 import time
@@ -291,7 +292,6 @@ def test_errors_name_the_fix(cluster):
 
 def _listening_addresses(pid):
     """The local addresses of the TCP sockets process `pid` listens on (from /proc)."""
-    import os
 
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -312,7 +312,6 @@ def _listening_addresses(pid):
 
 
 def test_every_task_listens_only_on_its_spec_address(cluster):
-    import os
 
     ts.ParameterServerStrategy(cluster)
     pids = [os.getpid()] + [cluster.process(job, i).pid

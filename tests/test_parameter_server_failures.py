@@ -1,6 +1,11 @@
 """Failures on a parameter-server cluster (2 workers, 1 ps): a worker SIGKILLed mid-run and
 its restart, a parameter server dying, and restoring a restarted cluster from a checkpoint.
 """
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -9,6 +14,7 @@ import torch
 import ps_helpers as h
 import torchstrategy as ts
 from torchstrategy.parameter_server import ParameterServerUnavailableError
+from torchstrategy.parameter_server.local_cluster import _free_port
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -84,10 +90,6 @@ def test_worker_death_ps_death_and_restore(tmp_path):
 
 
 def test_server_without_tf_config_names_the_fix():
-    import os
-    import subprocess
-    import sys
-
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     result = subprocess.run([sys.executable, "-m", "torchstrategy.server"], env=env,
                             capture_output=True, text=True, timeout=120)
@@ -107,9 +109,7 @@ time.sleep(600)
 
 def test_servers_die_with_the_process_that_started_them():
     """No orphans: SIGKILL the process that made a local cluster; its servers end too."""
-    import os
     import signal
-    import subprocess
     import sys
 
     child = subprocess.Popen([sys.executable, "-c", _ORPHAN_CHILD], stdout=subprocess.PIPE,
@@ -132,7 +132,6 @@ def test_servers_die_with_the_process_that_started_them():
 
 
 def _is_running(pid):
-    import os
 
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -154,12 +153,8 @@ time.sleep(600)
 def test_servers_started_by_flags_exit_when_the_chief_dies():
     """Servers run on their own (`--cluster_spec` flags); a SIGKILLed chief cannot leave
     them hanging: they notice within seconds and exit with code 3."""
-    import json
     import signal
-    import subprocess
     import sys
-
-    from torchstrategy.parameter_server.local_cluster import _free_port
 
     spec = {"chief": [f"127.0.0.1:{_free_port()}"], "worker": ["127.0.0.1:1"],
             "ps": ["127.0.0.1:2"]}

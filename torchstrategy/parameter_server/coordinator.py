@@ -168,7 +168,6 @@ class ClusterCoordinator:
         self._inflight = 0
         self._error = None          # first user error, raised once
         self._ps_error = None       # fatal
-        self._closed = False
         self._keys = itertools.count()
         self._per_worker_specs = []  # ("dataset", key, payload, wants_context) | ("iter", key, src)
         self._spec_lock = threading.Lock()
@@ -360,8 +359,7 @@ def _worker_loop(coordinator_ref, worker):
     """One thread per worker: runs queued closures there one at a time."""
     while True:
         coordinator = coordinator_ref()
-        if coordinator is None or coordinator._closed or \
-                rpc_world.current() is not coordinator._membership:
+        if coordinator is None or rpc_world.current() is not coordinator._membership:
             return  # the coordinator or the cluster is gone
         if not worker.alive:
             if not _wait_for_rejoin(coordinator, worker):
@@ -444,7 +442,7 @@ def _wait_for_rejoin(coordinator, worker):
     per-worker values are rebuilt; False after a short wait (the caller loops)."""
     deadline = time.monotonic() + 1.0
     while time.monotonic() < deadline:
-        if coordinator._closed:
+        if rpc_world.current() is not coordinator._membership:
             return False
         if worker.name in coordinator._membership.live_members():
             try:

@@ -15,7 +15,6 @@ import threading
 import traceback
 
 import torch
-import torch.nn.functional as F
 
 from torchstrategy import nest
 from torchstrategy.parameter_server import pickling, ps_store, remote
