@@ -28,6 +28,7 @@ from torchstrategy.losses import compute_average_loss, scale_regularization_loss
 from torchstrategy.reduce_op import ReduceOp
 from torchstrategy.replica_context import ReplicaContext
 from torchstrategy.strategies.base import Strategy, StrategyExtended
+from torchstrategy.strategies.central_storage import CentralStorageStrategy
 from torchstrategy.strategies.mirrored import MirroredStrategy
 from torchstrategy.strategies.one_device import OneDeviceStrategy
 from torchstrategy.strategies.tpu import TPUStrategy  # imports torch_xla only when made
@@ -41,6 +42,7 @@ from torchstrategy.parameter_server import ClusterCoordinator, ParameterServerSt
 __version__ = "0.1.0"
 
 __all__ = [  # one name a line, sorted: adding a name touches one line
+    "CentralStorageStrategy",
     "ClusterCoordinator",
     "ClusterResolver",
     "ClusterSpec",
