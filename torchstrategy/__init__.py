@@ -39,6 +39,8 @@ from torchstrategy.values import DistributedValues, Mirrored, PerReplica
 from torchstrategy.variables import (MirroredVariable, SyncOnReadVariable, Variable,
                                      VariableAggregation, VariableSynchronization)
 from torchstrategy import values
+from torchstrategy import parameter_server
+from torchstrategy.parameter_server import ClusterCoordinator, ParameterServerStrategy, Server
 from torchstrategy.lightning import LightningStrategy  # imports Lightning only when used
 from torchstrategy.lightning import registration as _lightning_registration
 
@@ -47,6 +49,7 @@ __version__ = "0.1.0"
 __all__ = [  # one name a line, sorted: adding a name touches one line
     "BackupAndRestore",
     "CentralStorageStrategy",
+    "ClusterCoordinator",
     "ClusterResolver",
     "ClusterSpec",
     "CollectiveError",
@@ -64,10 +67,12 @@ __all__ = [  # one name a line, sorted: adding a name touches one line
     "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
+    "ParameterServerStrategy",
     "PerReplica",
     "ReduceOp",
     "ReductionToOneDevice",
     "ReplicaContext",
+    "Server",
     "SimpleClusterResolver",
     "Strategy",
     "StrategyExtended",
@@ -89,6 +94,7 @@ __all__ = [  # one name a line, sorted: adding a name touches one line
     "has_strategy",
     "in_cross_replica_context",
     "launch",
+    "parameter_server",
     "scale_regularization_loss",
     "values",
 ]

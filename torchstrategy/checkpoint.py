@@ -2,7 +2,9 @@
 
 Because the scope never wraps modules, ``model.state_dict()`` has the same keys with or
 without a strategy: a checkpoint written under any strategy loads into a plain model, and
-a plain model's checkpoint loads under any strategy.
+a plain model's checkpoint loads under any strategy. Variables held by parameter servers
+(``PSVariable``, ``ShardedVariable``) are saved as their whole current value, so they load
+into any number of shards (``variable.assign(value)``) or into a plain tensor.
 """
 import os
 import tempfile
@@ -54,6 +56,7 @@ def save(obj, path):
         obj = ext.host_copy(obj)
     error = None
     if writer:
+        obj = _current_values(obj)
         path = os.fspath(path)
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
@@ -71,6 +74,28 @@ def save(obj, path):
     ext.communicator.barrier()
     if error is not None:
         raise error
+
+
+def _current_values(obj):
+    """`obj` with every variable held elsewhere (a parameter server's ``PSVariable`` or
+    ``ShardedVariable``) replaced by its current value as one plain tensor, so checkpoints
+    are plain tensors whatever the sharding. Containers are rebuilt only when they hold such
+    a variable; everything else is kept as is."""
+    if hasattr(obj, "_ts_checkpoint_value"):
+        return obj._ts_checkpoint_value()
+    if isinstance(obj, dict):
+        items = {k: _current_values(v) for k, v in obj.items()}
+        if all(items[k] is obj[k] for k in obj):
+            return obj
+        out = type(obj)() if type(obj) is not dict else {}
+        out.update(items)
+        return out
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        items = [_current_values(v) for v in obj]
+        if all(a is b for a, b in zip(items, obj)):
+            return obj
+        return type(obj)(items)
+    return obj
 
 
 def load(path, map_location=None, weights_only=True):

@@ -68,6 +68,10 @@ class Variable:
 
     def __new__(cls, *args, **kwargs):
         if cls is Variable:
+            # A strategy that keeps variables elsewhere (ParameterServerStrategy) makes them.
+            create = getattr(context.get_strategy().extended, "_create_variable", None)
+            if create is not None:
+                return create(*args, **kwargs)
             sync = kwargs.get("synchronization", VariableSynchronization.AUTO)
             sync = _as_enum(VariableSynchronization, sync, "synchronization")
             cls = SyncOnReadVariable if sync is VariableSynchronization.ON_READ \

@@ -1,0 +1,118 @@
+"""What a parameter server holds and does: variables by key, and optimizers applying pushed
+gradients to them.
+
+Every function here is an rpc target run in the parameter-server process. Updates are
+applied one at a time under a lock, as they arrive (asynchronous training: no waiting for
+the other workers); reads return a consistent copy.
+"""
+import threading
+
+import torch
+
+_lock = threading.Lock()
+_variables = {}      # key -> tensor (an nn.Parameter when trainable)
+_optimizers = {}     # optimizer key -> torch optimizer over this server's variables
+_rows_served = {}    # key -> number of rows sent by read_rows (for checking lookups)
+
+
+def create(key, value, trainable):
+    """Stores `value` under `key` (replacing any previous value)."""
+    value = value.detach().clone()
+    with _lock:
+        _variables[key] = torch.nn.Parameter(value) if trainable else value
+    return True
+
+
+def read(keys):
+    """The current values of `keys`, copied."""
+    with _lock:
+        return [_get(key).detach().clone() for key in keys]
+
+
+def read_rows(key, rows):
+    """Rows `rows` (a LongTensor of local row indices) of variable `key`: only those rows
+    are copied and sent."""
+    with _lock:
+        value = _get(key).detach()
+        _rows_served[key] = _rows_served.get(key, 0) + int(rows.numel())
+        return value.index_select(0, rows)
+
+
+def rows_served(key):
+    """How many rows `read_rows` has sent for `key` so far."""
+    with _lock:
+        return _rows_served.get(key, 0)
+
+
+def assign(key, value):
+    with _lock:
+        target = _get(key)
+        with torch.no_grad():
+            target.copy_(value)
+        return True
+
+
+def assign_add(key, delta):
+    """Adds `delta` atomically and returns the new value."""
+    with _lock:
+        target = _get(key)
+        with torch.no_grad():
+            target.add_(delta)
+        return target.detach().clone()
+
+
+def create_optimizer(optimizer_key, optimizer_class, groups):
+    """Builds ``optimizer_class`` over this server's variables.
+
+    Args:
+      groups: a list of ``(keys, hyperparameters)``, one per parameter group of the
+        user's optimizer that has variables here; hyperparameters are the group's settings
+        (lr, momentum, ...) without "params".
+    """
+    with _lock:
+        if optimizer_key in _optimizers:
+            return True
+        param_groups = [dict(hyper, params=[_get(k) for k in keys]) for keys, hyper in groups]
+        _optimizers[optimizer_key] = optimizer_class(param_groups)
+        return True
+
+
+def apply_gradients(optimizer_key, dense, sparse):
+    """Applies one worker's gradients with the optimizer's ``step()``.
+
+    Args:
+      dense: ``{key: gradient}`` of whole variables.
+      sparse: ``{key: (rows, gradient_rows)}``: gradients of some rows only (embedding
+        lookups); they are added into a zero gradient of the variable's shape, so the update
+        is what the same optimizer does with a dense embedding gradient.
+    """
+    with _lock:
+        optimizer = _optimizers[optimizer_key]
+        touched = []
+        for key, grad in dense.items():
+            param = _get(key)
+            param.grad = grad.to(param.dtype).view_as(param)
+            touched.append(param)
+        for key, (rows, grad_rows) in sparse.items():
+            param = _get(key)
+            grad = torch.zeros_like(param) if param.grad is None else param.grad
+            grad.index_add_(0, rows, grad_rows.to(param.dtype))
+            param.grad = grad
+            touched.append(param)
+        optimizer.step()
+        for param in touched:
+            param.grad = None
+    return True
+
+
+def keys():
+    with _lock:
+        return sorted(_variables)
+
+
+def _get(key):
+    try:
+        return _variables[key]
+    except KeyError:
+        raise KeyError(f"This parameter server holds no variable {key!r}; was the cluster "
+                       f"restarted? Restore the variables from a checkpoint.") from None

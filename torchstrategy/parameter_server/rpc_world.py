@@ -1,0 +1,305 @@
+"""The rpc world of a parameter-server cluster: who is in it, how to reach them, timeouts.
+
+One torch.distributed.rpc world (TensorPipe) holds the chief, the workers and the parameter
+servers, named after their task: ``"chief:0"``, ``"worker:1"``, ``"ps:0"``. It is a *dynamic*
+rpc group (``init_rpc`` without ``world_size``), so a worker that dies can be dropped from
+the group and a restarted process with the same task name can join again.
+
+Where things listen:
+- the rendezvous store (a TCPStore) is hosted by the chief on exactly the chief's address
+  from the cluster spec (the socket is bound here and handed to the store), or, without a
+  chief, by worker 0 on its address;
+- each member's TensorPipe listener binds the network interface that carries this task's
+  address in the cluster spec (``TP_SOCKET_IFNAME``), on a port the OS picks; only the
+  "uv" (TCP) transport and the "basic" channel are enabled, so nothing else is opened.
+
+Trust model: cluster members trust each other. Rpc messages carry pickled Python calls, so
+any process that can reach a member's port can run code there. Run a cluster only on a
+network you control (the addresses in the spec), as with TensorFlow's servers.
+"""
+import datetime
+import fcntl
+import ipaddress
+import os
+import socket
+import struct
+import threading
+import time
+
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+
+from torchstrategy.cluster_resolver.cluster_spec import parse_address
+
+JOBS = ("chief", "worker", "ps")
+DEFAULT_RPC_TIMEOUT_SECONDS = 60.0
+# How long a member waits for the chief's store when it starts first.
+DEFAULT_STARTUP_TIMEOUT_SECONDS = 300.0
+_RENDEZVOUS_SCHEME = "torchstrategy-ps"
+_NEXT_RANK_KEY = "torchstrategy/next_rank"
+# torch.distributed.rpc keeps its group state in the store under "rpc_prefix_<n>/", n
+# counting init_rpc calls in the process; every member of one cluster must use the same n, so
+# it is reset to 0 before joining (each cluster has its own fresh store).
+_RPC_PREFIX = "rpc_prefix_0"
+_ALL_WORKER_INFOS = "names/_ALL_WORKER_INFOS"
+_MEMBERSHIP_TOKEN = "RpcGroupManagementToken"
+
+
+def task_name(job, index):
+    """The rpc name of a task: ``"worker:1"``."""
+    return f"{job}:{index}"
+
+
+def parse_task_name(name):
+    job, _, index = name.partition(":")
+    return job, int(index)
+
+
+def store_task(spec):
+    """``(job, index)`` of the task that hosts the rendezvous store: the chief, else worker 0."""
+    if "chief" in spec.jobs and spec.num_tasks("chief"):
+        return "chief", spec.task_indices("chief")[0]
+    if "worker" in spec.jobs and spec.num_tasks("worker"):
+        return "worker", spec.task_indices("worker")[0]
+    raise ValueError(f"A parameter-server cluster needs a chief (or a worker 0) to host the "
+                     f"rendezvous: {spec!r}.")
+
+
+def check_cluster(spec):
+    """Raises ValueError naming the fix when `spec` cannot run parameter-server training."""
+    for job in spec.jobs:
+        if job not in JOBS + ("evaluator",):
+            raise ValueError(f"Unknown job {job!r} in the cluster spec; a parameter-server "
+                             f"cluster has jobs {list(JOBS)} (and optionally 'evaluator').")
+    for job in ("worker", "ps"):
+        if job not in spec.jobs or spec.num_tasks(job) == 0:
+            raise ValueError(f"ParameterServerStrategy needs at least one {job!r} task in the "
+                             f"cluster spec, got {spec.as_dict()!r}.")
+    store_task(spec)
+
+
+# -- network interfaces ------------------------------------------------------------------
+
+def _interface_ipv4(name):
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        packed = fcntl.ioctl(sock.fileno(), 0x8915,  # SIOCGIFADDR
+                             struct.pack("256s", name.encode()[:15]))
+        return socket.inet_ntoa(packed[20:24])
+    except OSError:
+        return None
+    finally:
+        sock.close()
+
+
+def resolve_ipv4(host):
+    try:
+        return str(ipaddress.IPv4Address(host))
+    except ValueError:
+        pass
+    try:
+        return socket.gethostbyname(host)
+    except OSError as err:
+        raise ValueError(f"Cannot resolve host {host!r} from the cluster spec: {err}.") from None
+
+
+def interface_for(host):
+    """The name of the local network interface whose IPv4 address is `host`'s.
+
+    Raises:
+      ValueError: when no interface of this machine has that address (the task was started
+        on the wrong machine, or the spec names an address this machine does not have).
+    """
+    ip = resolve_ipv4(host)
+    loopback = ipaddress.IPv4Address(ip).is_loopback
+    for _, name in socket.if_nameindex():
+        address = _interface_ipv4(name)
+        if address == ip or (loopback and address is not None
+                             and ipaddress.IPv4Address(address).is_loopback):
+            return name
+    raise ValueError(f"No network interface of this machine has the address {ip} "
+                     f"(host {host!r} in the cluster spec): start this task on the machine the "
+                     f"spec names, or fix the spec.")
+
+
+# -- rendezvous --------------------------------------------------------------------------
+
+def _bound_listen_fd(host, port):
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((resolve_ipv4(host), port))
+    except OSError as err:
+        sock.close()
+        raise OSError(f"Cannot listen on {host}:{port} (the rendezvous address of the cluster "
+                      f"spec): {err}.") from None
+    sock.listen(128)
+    return sock
+
+
+def make_store(spec, is_host, timeout_seconds):
+    """The rendezvous TCPStore: hosted on exactly the store task's spec address when
+    `is_host`, otherwise a client of it (waiting up to `timeout_seconds` for it to appear)."""
+    host, port = parse_address(spec.task_address(*store_task(spec)))
+    timeout = datetime.timedelta(seconds=timeout_seconds)
+    if is_host:
+        # The store gets a socket already bound to the spec's address, so it listens there
+        # only (a TCPStore binds every interface otherwise). The store owns the descriptor.
+        fd = _bound_listen_fd(host, port).detach()
+        return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                             timeout=timeout, master_listen_fd=fd, use_libuv=False)
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        try:
+            return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        except (RuntimeError, dist.DistStoreError) as err:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"The cluster's rendezvous at {host}:{port} did not answer "
+                                   f"within {timeout_seconds:.0f} s: {err}") from None
+            time.sleep(0.5)
+
+
+_pending_store = {}
+
+
+def _rendezvous_handler(url, **kwargs):
+    store, rank = _pending_store.pop("value")
+    yield store, rank, None  # dynamic group: no world size
+
+
+dist.register_rendezvous_handler(_RENDEZVOUS_SCHEME, _rendezvous_handler)
+
+
+class Membership:
+    """This process's place in the rpc world (one per process)."""
+
+    def __init__(self, spec, job, index, store, rpc_timeout):
+        self.spec = spec
+        self.job = job
+        self.index = index
+        self.name = task_name(job, index)
+        self.store = store
+        self.rpc_store = dist.PrefixStore(_RPC_PREFIX, store)
+        self.rpc_timeout = rpc_timeout
+
+    def live_members(self):
+        """``{name: rank}`` of the members the local rpc agent currently knows."""
+        agent = rpc.api._get_current_rpc_agent()
+        return {info.name: info.id for info in agent.get_worker_infos()}
+
+    def drop(self, name, rank):
+        """Removes a dead member from the group: from the store (so that processes joining
+        later do not wait for it) and from this process's agent. Other members drop it when
+        they hear about it (`drop_local`)."""
+        _with_membership_token(self.rpc_store, f"drop-{name}", lambda: _remove_name(
+            self.rpc_store, name, rank))
+        drop_local(name, rank)
+
+
+def drop_local(name, rank):
+    """Forgets a dead member in this process's rpc agent (a no-op if already forgotten)."""
+    agent = rpc.api._get_current_rpc_agent()
+    known = {info.name: info.id for info in agent.get_worker_infos()}
+    if known.get(name) != rank:
+        return False
+    agent._update_group_membership(rpc.WorkerInfo(name, rank), [], {}, False)
+    return True
+
+
+def _with_membership_token(store, label, fn):
+    token = f"Token_for_{label}"
+    deadline = time.monotonic() + 60
+    while True:
+        returned = store.compare_set(_MEMBERSHIP_TOKEN, "", token).decode()
+        if returned == token:
+            try:
+                return fn()
+            finally:
+                store.set(_MEMBERSHIP_TOKEN, "")
+                store.set(token, "Done")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"Could not take the rpc membership token (held by {returned}).")
+        try:
+            store.wait([returned], datetime.timedelta(seconds=5))
+        except Exception:  # the holder died holding it: wait and retry
+            time.sleep(0.2)
+
+
+def _remove_name(store, name, rank):
+    entry = f"{name}-{rank},"
+    if not store.check([_ALL_WORKER_INFOS]):
+        return
+    infos = store.get(_ALL_WORKER_INFOS).decode()
+    if entry in infos:
+        store.set(_ALL_WORKER_INFOS, infos.replace(entry, ""))
+
+
+_lock = threading.Lock()
+_membership = None
+
+
+def current():
+    """This process's `Membership`, or None when it is not in a cluster."""
+    return _membership
+
+
+def join(spec, job, index, rpc_timeout=DEFAULT_RPC_TIMEOUT_SECONDS,
+         startup_timeout=DEFAULT_STARTUP_TIMEOUT_SECONDS):
+    """Joins the cluster's rpc world as task ``job:index`` and returns its `Membership`.
+
+    Idempotent for the same task in one process. The task's own spec address selects the
+    interface to listen on; the store task hosts the rendezvous on its spec address.
+
+    Raises:
+      ValueError: bad spec or task, or an address this machine does not have.
+      RuntimeError: when this process is already another task of a cluster.
+      TimeoutError: when the rendezvous does not answer within `startup_timeout`.
+    """
+    global _membership
+    with _lock:
+        if _membership is not None:
+            if (_membership.spec, _membership.job, _membership.index) == (spec, job, index):
+                return _membership
+            raise RuntimeError(f"This process is already {_membership.name} of cluster "
+                               f"{_membership.spec!r}; a process can be one task of one "
+                               f"cluster at a time.")
+        check_cluster(spec)
+        host, _ = parse_address(spec.task_address(job, index))
+        os.environ["TP_SOCKET_IFNAME"] = interface_for(host)
+        is_host = (job, index) == store_task(spec)
+        store = make_store(spec, is_host, startup_timeout)
+        rank = 0 if is_host else store.add(_NEXT_RANK_KEY, 1)
+        options = rpc.TensorPipeRpcBackendOptions(
+            init_method=f"{_RENDEZVOUS_SCHEME}://", rpc_timeout=rpc_timeout,
+            num_worker_threads=16, _transports=["uv"], _channels=["basic"])
+        _pending_store["value"] = (store, rank)
+        rpc._init_counter = 0
+        rpc.init_rpc(task_name(job, index), rank=rank, world_size=None,
+                     rpc_backend_options=options)
+        _membership = Membership(spec, job, index, store, rpc_timeout)
+        return _membership
+
+
+def leave():
+    """Leaves the rpc world without waiting for the others (dead peers cannot hang it).
+
+    Bounded: if TensorPipe does not finish shutting down within a few seconds the agent is
+    abandoned (the process is about to end or to start no other cluster)."""
+    global _membership
+    with _lock:
+        if _membership is None:
+            return
+        done = threading.Event()
+
+        def shutdown():
+            try:
+                rpc.shutdown(graceful=False)
+            except Exception:
+                pass
+            done.set()
+
+        threading.Thread(target=shutdown, name="torchstrategy-rpc-shutdown",
+                         daemon=True).start()
+        done.wait(10.0)
+        _membership = None
+

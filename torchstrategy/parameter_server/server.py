@@ -1,0 +1,149 @@
+"""`Server`: a worker or parameter-server task of a parameter-server cluster.
+
+A server joins the cluster's rpc world under its task name and then only answers calls: a
+parameter server holds variables and applies optimizer updates, a worker runs the closures
+the coordinator schedules. Start one per task::
+
+    python -m torchstrategy.server                      # reads TF_CONFIG
+    python -m torchstrategy.server --cluster_spec '{"chief": [...], "worker": [...], "ps": [...]}' \\
+        --task_type worker --task_id 1
+
+or from Python: ``ts.Server(resolver).join()``.
+
+A server ends when the chief asks it to (when the chief's program ends), or when it loses
+the chief (the chief died: restart the cluster, and the chief restores from its checkpoint).
+"""
+import os
+import threading
+import time
+
+import torch.distributed.rpc as rpc
+
+from torchstrategy.parameter_server import rpc_world
+
+# How often a server checks that the chief is still there, and how many missed checks end it.
+_CHIEF_CHECK_SECONDS = 2.0
+_CHIEF_MISSES = 3
+
+_stop = threading.Event()
+
+
+def _request_stop():
+    """Rpc target: the chief asks this server to end."""
+    _stop.set()
+    return True
+
+
+def ping():
+    """Rpc target: liveness check."""
+    return os.getpid()
+
+
+def _forget_member(name, rank):
+    """Rpc target: the coordinator tells this member that `name` (rank) died."""
+    return rpc_world.drop_local(name, rank)
+
+
+class Server:
+    """One task (worker or ps) of a parameter-server cluster.
+
+    Args:
+      cluster_resolver: a `ClusterResolver` whose ``task_type`` is "worker" or "ps" and whose
+        ``task_id`` says which one (``ts.TFConfigClusterResolver()`` reads TF_CONFIG).
+      start: join the cluster now (the default), or later with `start()`.
+      rpc_timeout: seconds before any rpc this server makes fails.
+      startup_timeout: seconds to wait for the chief's rendezvous.
+
+    Raises:
+      ValueError: the resolver names no task, a job other than worker/ps, or an address this
+        machine does not have.
+    """
+
+    def __init__(self, cluster_resolver, start=True,
+                 rpc_timeout=rpc_world.DEFAULT_RPC_TIMEOUT_SECONDS,
+                 startup_timeout=rpc_world.DEFAULT_STARTUP_TIMEOUT_SECONDS):
+        self._resolver = cluster_resolver
+        self.task_type = cluster_resolver.task_type
+        self.task_id = cluster_resolver.task_id
+        if self.task_type not in ("worker", "ps") or self.task_id is None:
+            raise ValueError(f"A Server is a 'worker' or 'ps' task; the resolver says "
+                             f"task_type={self.task_type!r}, task_id={self.task_id!r}. Set "
+                             f"TF_CONFIG's task (or the resolver's task_type/task_id).")
+        self._spec = cluster_resolver.cluster_spec()
+        rpc_world.check_cluster(self._spec)
+        self._spec.task_address(self.task_type, self.task_id)
+        self._rpc_timeout = rpc_timeout
+        self._startup_timeout = startup_timeout
+        self._membership = None
+        if start:
+            self.start()
+
+    @property
+    def target(self):
+        """This task's rpc name, e.g. ``"worker:1"``."""
+        return rpc_world.task_name(self.task_type, self.task_id)
+
+    def start(self):
+        """Joins the cluster (waits for the chief's rendezvous)."""
+        if self._membership is None:
+            self._membership = rpc_world.join(self._spec, self.task_type, self.task_id,
+                                              self._rpc_timeout, self._startup_timeout)
+
+    def join(self):
+        """Serves until the chief asks this server to stop or the chief is gone, then
+        leaves the rpc world. Returns True when stopped by the chief, False when it lost
+        the chief."""
+        self.start()
+        host_job, host_index = rpc_world.store_task(self._spec)
+        host = rpc_world.task_name(host_job, host_index)
+        misses = 0
+        while not _stop.wait(_CHIEF_CHECK_SECONDS):
+            try:
+                rpc.rpc_sync(host, ping, timeout=_CHIEF_CHECK_SECONDS * 2)
+                misses = 0
+            except Exception:
+                misses += 1
+                if misses >= _CHIEF_MISSES:
+                    break
+        stopped = _stop.is_set()
+        time.sleep(0.3)  # let the answer to the stop request go out first
+        rpc_world.leave()
+        return stopped
+
+
+def main(argv=None):
+    import argparse
+    import json
+
+    from torchstrategy.cluster_resolver import SimpleClusterResolver, TFConfigClusterResolver
+
+    parser = argparse.ArgumentParser(
+        prog="python -m torchstrategy.server",
+        description="Run one worker or ps task of a parameter-server cluster. Without flags "
+                    "the cluster and task come from TF_CONFIG.")
+    parser.add_argument("--cluster_spec", help="JSON cluster spec (default: TF_CONFIG's)")
+    parser.add_argument("--task_type", choices=["worker", "ps"])
+    parser.add_argument("--task_id", type=int)
+    parser.add_argument("--rpc_timeout", type=float, default=rpc_world.DEFAULT_RPC_TIMEOUT_SECONDS)
+    parser.add_argument("--startup_timeout", type=float,
+                        default=rpc_world.DEFAULT_STARTUP_TIMEOUT_SECONDS)
+    args = parser.parse_args(argv)
+    if args.cluster_spec:
+        if args.task_type is None or args.task_id is None:
+            parser.error("--cluster_spec needs --task_type and --task_id")
+        resolver = SimpleClusterResolver(json.loads(args.cluster_spec),
+                                         task_type=args.task_type, task_id=args.task_id)
+    else:
+        resolver = TFConfigClusterResolver(task_type=args.task_type, task_id=args.task_id)
+    if os.environ.get("OMP_NUM_THREADS") is None:
+        import torch
+
+        torch.set_num_threads(1)  # a server's work is small ops; leave cores to the others
+    stopped = Server(resolver, rpc_timeout=args.rpc_timeout,
+                     startup_timeout=args.startup_timeout).join()
+    # TensorPipe's threads can outlive a peer-less shutdown: end the process right here.
+    os._exit(0 if stopped else 3)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""What a worker does with a scheduled function: rebuild it, pull, run, and report.
+
+Each closure arrives pickled (see `pickling`). Parameters in it are references to
+parameter-server variables; the worker keeps one local tensor per variable and, before the
+function runs, refreshes every one the closure uses with a single fetch per parameter
+server. Embedding tables (``nn.Embedding`` weights placed on parameter servers) are not
+fetched whole: an ``nn.Embedding`` arrives as a `WorkerEmbedding`, whose forward fetches
+only the rows it looks up and whose backward records gradients for those rows only. ``optimizer.step()`` inside the function pushes the
+gradients (`WorkerOptimizer`); the parameter servers apply them with the real optimizer.
+
+The result goes back as ``("ok", value)`` or ``("error", kind, exception, traceback)``, so
+the coordinator can tell a failing function from a failing worker.
+"""
+import threading
+import traceback
+
+import torch
+
+from torchstrategy import nest
+from torchstrategy.parameter_server import pickling, ps_store, remote
+
+_lock = threading.Lock()
+_local_params = {}      # variable key -> worker-local tensor
+_layouts = {}           # variable key -> Layout
+_per_worker = {}        # per-worker value key -> this worker's value
+
+
+class _ClosureState(threading.local):
+    used = None
+
+
+_state = _ClosureState()
+
+
+def _local_param(layout):
+    with _lock:
+        param = _local_params.get(layout.key)
+        if param is None:
+            # An embedding table is never filled here (rows are fetched on demand): empty
+            # memory is not touched, so a large table costs no resident memory.
+            param = torch.empty(layout.shape, dtype=layout.dtype) if layout.embedding \
+                else torch.zeros(layout.shape, dtype=layout.dtype)
+            if layout.trainable:
+                param = torch.nn.Parameter(param)
+            _local_params[layout.key] = param
+            _layouts[layout.key] = layout
+    return param
+
+
+class WorkerOptimizer:
+    """The worker-side stand-in for an optimizer over parameter-server parameters.
+
+    ``step()`` sends each parameter's gradient (for embedding tables: the gradients of the
+    rows looked up) to the parameter server holding it, one rpc per server, and returns when
+    every server has applied it with its copy of the optimizer. ``zero_grad()`` clears the
+    local gradients as torch's does.
+    """
+
+    def __init__(self, optimizer_key, groups):
+        self._key = optimizer_key
+        self.param_groups = [dict(hyper, params=[_local_param(l) for l in layouts])
+                             for layouts, hyper in groups]
+        self._layouts = [l for layouts, _ in groups for l in layouts]
+
+    def zero_grad(self, set_to_none=True):
+        for layout in self._layouts:
+            param = _local_params[layout.key]
+            param._ts_sparse_grads = []
+            if param.grad is not None:
+                if set_to_none:
+                    param.grad = None
+                else:
+                    param.grad.zero_()
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        dense, sparse = {}, {}   # per ps: {key: grad}, {key: (rows, grads)}
+        for layout in self._layouts:
+            param = _local_params[layout.key]
+            if param.grad is not None:
+                for shard, part in zip(layout.shards, remote.split_rows(layout, param.grad)):
+                    dense.setdefault(shard.ps, {})[shard.key] = part.detach().contiguous()
+            for ids, rows in getattr(param, "_ts_sparse_grads", []):
+                for shard in layout.shards:
+                    mask = (ids >= shard.start) & (ids < shard.start + shard.rows)
+                    if bool(mask.any()):
+                        entry = sparse.setdefault(shard.ps, {})
+                        local_ids, grads = ids[mask] - shard.start, rows[mask]
+                        if shard.key in entry:
+                            old_ids, old_grads = entry[shard.key]
+                            local_ids = torch.cat([old_ids, local_ids])
+                            grads = torch.cat([old_grads, grads])
+                        entry[shard.key] = (local_ids, grads)
+        servers = sorted(set(dense) | set(sparse))
+        remote.wait([remote.call_async(ps, ps_store.apply_gradients,
+                                       (self._key, dense.get(ps, {}), sparse.get(ps, {})))
+                     for ps in servers])
+        return loss
+
+    def __repr__(self):
+        return f"WorkerOptimizer({self._key!r})"
+
+
+class _RowLookup(torch.autograd.Function):
+    """Embedding rows fetched from the parameter servers; backward records the gradients
+    of the rows looked up on the table's local tensor (``_ts_sparse_grads``)."""
+
+    @staticmethod
+    def forward(ctx, table, ids, layout):
+        unique, rows, inverse = remote.read_rows(layout, ids)
+        ctx.table, ctx.unique, ctx.inverse = table, unique, inverse
+        ctx.row_shape = tuple(layout.shape[1:])
+        return rows[inverse].reshape(tuple(ids.shape) + ctx.row_shape)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        flat = grad_output.reshape((-1,) + ctx.row_shape)
+        rows = torch.zeros((ctx.unique.numel(),) + tuple(flat.shape[1:]), dtype=flat.dtype)
+        rows.index_add_(0, ctx.inverse.reshape(-1), flat)
+        grads = getattr(ctx.table, "_ts_sparse_grads", None)
+        if grads is None:
+            grads = ctx.table._ts_sparse_grads = []
+        grads.append((ctx.unique, rows))
+        return None, None, None
+
+
+class WorkerEmbedding(torch.nn.Embedding):
+    """What an ``nn.Embedding`` becomes on a worker: when its table is held by parameter
+    servers, forward fetches only the rows looked up (and backward records their
+    gradients); otherwise it is the plain embedding."""
+
+    def forward(self, input):
+        key = getattr(self.weight, "_ts_key", None)
+        layout = _layouts.get(key)
+        if layout is None or not layout.embedding:
+            return super().forward(input)
+        if self.max_norm is not None:
+            raise NotImplementedError("nn.Embedding(max_norm=...) is not supported for a "
+                                      "table held by parameter servers.")
+        out = _RowLookup.apply(self.weight, input, layout)
+        if self.padding_idx is not None:
+            out = out * (input != self.padding_idx).unsqueeze(-1).to(out.dtype)
+        return out
+
+
+_CLASS_MAP = {("torch.nn.modules.sparse", "Embedding"): WorkerEmbedding}
+
+
+def _load_reference(ref):
+    kind = ref[0]
+    if kind == "param":
+        layout = ref[1]
+        param = _local_param(layout)
+        param._ts_key = layout.key
+        _state.used[layout.key] = layout
+        return param
+    if kind == "optimizer":
+        _, key, groups = ref
+        for layouts, _ in groups:
+            for layout in layouts:
+                _state.used[layout.key] = layout
+        optimizer = WorkerOptimizer(key, groups)
+        return optimizer
+    if kind == "per_worker":
+        key = ref[1]
+        try:
+            return _per_worker[key]
+        except KeyError:
+            raise RuntimeError(f"This worker has no per-worker value {key!r} (it was "
+                               f"restarted and the coordinator has not rebuilt it yet).") from None
+    raise ValueError(f"Unknown reference kind {kind!r}.")
+
+
+def _pull(used):
+    layouts = [l for l in used.values() if not l.embedding]
+    if not layouts:
+        return
+    values = remote.read_full(layouts)
+    with torch.no_grad():
+        for layout, value in zip(layouts, values):
+            param = _local_params[layout.key]
+            param.copy_(value)
+            param.grad = None
+    for layout in used.values():
+        param = _local_params[layout.key]
+        param._ts_sparse_grads = []
+        param.grad = None
+
+
+def _detached(value):
+    def leaf(x):
+        return x.detach().cpu() if isinstance(x, torch.Tensor) else x
+    try:
+        return nest.map_structure(leaf, value)
+    except Exception:
+        return leaf(value)
+
+
+def run_closure(payload):
+    """Rpc target on a worker: runs one scheduled function. Never raises: failures come
+    back as ``("error", kind, exception, traceback text)`` with kind "ps" when a parameter
+    server could not be reached, "user" otherwise."""
+    _state.used = {}
+    try:
+        fn, args, kwargs = pickling.loads(payload, _load_reference, _CLASS_MAP)
+        _pull(_state.used)
+        result = fn(*args, **kwargs)
+        return ("ok", _detached(result))
+    except remote.ParameterServerUnavailableError as error:
+        return ("error", "ps", error, traceback.format_exc())
+    except BaseException as error:  # the function's own error, sent back to the chief
+        try:
+            import pickle
+
+            pickle.dumps(error)
+        except Exception:
+            error = RuntimeError(f"{type(error).__name__}: {error}")
+        return ("error", "user", error, traceback.format_exc())
+    finally:
+        _state.used = None
+
+
+def create_per_worker_value(key, payload, input_context=None):
+    """Rpc target: calls the pickled ``fn()`` (``fn(ts.InputContext)`` when `input_context`
+    is ``(num_workers, worker_index)``) and keeps the result as this worker's value for
+    `key`."""
+    fn, args, make_iterator = pickling.loads(payload, _load_reference_outside_closure,
+                                             _CLASS_MAP)
+    if input_context is not None:
+        from torchstrategy.input.contexts import InputContext
+
+        args = (InputContext(num_input_pipelines=input_context[0],
+                             input_pipeline_id=input_context[1]),)
+    value = fn(*args)
+    if make_iterator:
+        value = iter(value)
+    _per_worker[key] = value
+    return True
+
+
+def make_iterator(key, source_key):
+    """Rpc target: this worker's value for `key` becomes ``iter(value of source_key)``."""
+    _per_worker[key] = iter(_per_worker[source_key])
+    return True
+
+
+def _load_reference_outside_closure(ref):
+    _state.used = {} if _state.used is None else _state.used
+    return _load_reference(ref)
+
+
+def drop_per_worker_value(key):
+    _per_worker.pop(key, None)
+    return True
