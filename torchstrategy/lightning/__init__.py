@@ -96,4 +96,40 @@ class LightningStrategy(metaclass=_DispatchingType):
                                        **kwargs)
 
 
-__all__ = ["LightningStrategy", "registered_names", "strategy_class"]
+class _DispatchingCallbackType(type):
+    def __instancecheck__(cls, obj):
+        return any(isinstance(obj, c) for c in _built_callbacks())
+
+    def __subclasscheck__(cls, sub):
+        return any(issubclass(sub, c) for c in _built_callbacks())
+
+
+def _built_callbacks():
+    from torchstrategy.lightning import backup
+
+    return tuple(backup._classes.values())
+
+
+class BackupAndRestoreCallback(metaclass=_DispatchingCallbackType):
+    """TensorFlow's ``tf.keras.callbacks.BackupAndRestore`` as a Lightning callback.
+
+    ``BackupAndRestoreCallback(backup_dir, save_freq="epoch", delete_checkpoint=True)``
+    (the arguments of ``ts.BackupAndRestore``) returns a ``Callback`` of the Lightning
+    package in use (pass ``package=`` when a program imports both), for
+    ``Trainer(callbacks=[...])``: ``fit`` resumes from the backup when there is one,
+    backs up every epoch or every `save_freq` optimizer steps on the chief (atomically),
+    and deletes the backup when it completes. See `torchstrategy.lightning.backup`.
+    """
+
+    def __new__(cls, backup_dir, save_freq="epoch", delete_checkpoint=True, *,
+                package=None):
+        from torchstrategy.lightning.backup import callback_class
+
+        package = package or _default_package()
+        if package not in _PACKAGES:
+            raise ValueError(f"package must be one of {_PACKAGES}, got {package!r}.")
+        return callback_class(package)(backup_dir, save_freq, delete_checkpoint)
+
+
+__all__ = ["BackupAndRestoreCallback", "LightningStrategy", "registered_names",
+           "strategy_class"]

@@ -1,0 +1,175 @@
+"""`BackupAndRestoreCallback`: TensorFlow's BackupAndRestore (``Model.fit``) for Lightning.
+
+    trainer = pl.Trainer(strategy="mirrored", devices=2, max_epochs=10,
+                         callbacks=[BackupAndRestoreCallback("backup/", save_freq=50)])
+    trainer.fit(model, data)      # run the same command again after a crash: it resumes
+
+The callback only decides *when* to back up and *what to restore from*; the backup itself
+is a Lightning checkpoint (``trainer.save_checkpoint``), and restoring it is Lightning's own
+resume (``fit(ckpt_path=...)``'s code path): model, optimizers, LR schedulers, precision
+state, the fit loop's position (epoch, global step, batch within the epoch) and the state
+of resumable dataloaders. The callback adds what a Lightning checkpoint lacks: every
+replica's random number generators, so the run continues with the numbers it would have
+drawn.
+
+The class is built for the Lightning package in use the first time one is made, so
+``import torchstrategy`` never imports Lightning.
+"""
+import os
+
+from torchstrategy import backup_and_restore as _backup
+
+_FILE = "backup.ckpt"
+_classes = {}
+
+
+def callback_class(package):
+    """The callback class for `package` ("lightning.pytorch" or "pytorch_lightning")."""
+    if package not in _classes:
+        _classes[package] = _build_class(package)
+    return _classes[package]
+
+
+def _build_class(package):
+    import importlib
+
+    Callback = importlib.import_module(f"{package}.callbacks").Callback
+
+    class BackupAndRestoreCallback(Callback):
+        __doc__ = _CLASS_DOC
+
+        def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True):
+            _backup.BackupAndRestore(backup_dir, save_freq)  # the same argument checks
+            self.backup_dir = os.path.abspath(os.fspath(backup_dir))
+            self.save_freq = save_freq
+            self.delete_checkpoint = delete_checkpoint
+            self.restored = False
+            self._trainer = None
+            self._restored_global_step = None
+            self._rng_to_apply = None
+            self._at_epoch_end = False
+
+        @property
+        def path(self):
+            """The backup file: ``backup_dir/backup.ckpt`` (a Lightning checkpoint)."""
+            return os.path.join(self.backup_dir, _FILE)
+
+        @property
+        def state_key(self):
+            return f"BackupAndRestoreCallback[{self.backup_dir}]"
+
+        def setup(self, trainer, pl_module, stage):
+            self._trainer = trainer
+            if stage != "fit":
+                return
+            exists = os.path.exists(self.path) if trainer.is_global_zero else None
+            if not trainer.strategy.broadcast(exists, src=0):
+                return
+            # Lightning's resume, started here because the path is only known now: it
+            # loads the checkpoint and restores model and callbacks; the Trainer then
+            # restores loops, optimizers and schedulers from the loaded checkpoint.
+            # weights_only=False: the backup holds NumPy's generator state, and it is this
+            # job's own file.
+            trainer._checkpoint_connector._restore_modules_and_callbacks(
+                self.path, weights_only=False)
+            self.restored = True
+
+        def on_train_start(self, trainer, pl_module):
+            if self.restored and trainer.global_step != self._restored_global_step:
+                raise RuntimeError(
+                    f"BackupAndRestoreCallback restored {self.path} at global step "
+                    f"{self._restored_global_step}, but the Trainer is at step "
+                    f"{trainer.global_step}: another checkpoint replaced it (was fit() given "
+                    f"ckpt_path=?). Remove the backup or the ckpt_path argument.")
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            # A backup from the middle of an epoch: applied just before the next step, so
+            # the step draws the numbers the interrupted run would have drawn.
+            if self._rng_to_apply is not None:
+                _backup._set_rng_state(self._rng_to_apply)
+                self._rng_to_apply = None
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if self.save_freq != "epoch" and trainer.global_step % self.save_freq == 0:
+                self._save(trainer, trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            if self.save_freq == "epoch":
+                self._save(trainer, at_epoch_end=True)
+
+        def on_fit_end(self, trainer, pl_module):
+            # Reached only when fit returns normally (an exception skips it).
+            if self.delete_checkpoint and trainer.is_global_zero:
+                if os.path.exists(self.path):
+                    os.unlink(self.path)
+                if os.path.isdir(self.backup_dir) and not os.listdir(self.backup_dir):
+                    os.rmdir(self.backup_dir)
+            trainer.strategy.barrier("BackupAndRestoreCallback.on_fit_end")
+
+        def _save(self, trainer, at_epoch_end):
+            # Every replica takes part (the checkpoint collects every replica's state);
+            # the chief writes a temporary file, flushes it and renames it over the
+            # backup, so a crash while writing leaves the previous backup whole.
+            self._at_epoch_end = at_epoch_end
+            temporary = os.path.join(self.backup_dir, f".{_FILE}.tmp")
+            trainer.save_checkpoint(temporary)
+            if trainer.is_global_zero:
+                with open(temporary, "rb+") as f:
+                    os.fsync(f.fileno())
+                os.replace(temporary, self.path)
+            trainer.strategy.barrier("BackupAndRestoreCallback._save")
+
+        def state_dict(self):
+            # Called on every replica while a checkpoint is made; gathers every
+            # replica's generators (the chief writes them all).
+            trainer = self._trainer
+            return {"rng": _backup._gather_to_chief(_backup._rng_state()),
+                    "at_epoch_end": self._at_epoch_end,
+                    "global_step": trainer.global_step if trainer is not None else 0}
+
+        def load_state_dict(self, state_dict):
+            rng = state_dict["rng"]
+            rank = self._trainer.global_rank if self._trainer is not None else 0
+            if len(rng) != (self._trainer.world_size if self._trainer is not None else 1):
+                raise ValueError(
+                    f"The backup in {self.backup_dir} was written by {len(rng)} replicas but "
+                    f"this run has {self._trainer.world_size}: resume with the same number "
+                    f"of replicas, or remove the backup to start afresh.")
+            if state_dict["at_epoch_end"]:
+                # Applied now, before the Trainer makes the next epoch's data iterator
+                # (which draws a seed), as the uninterrupted run did after the backup.
+                _backup._set_rng_state(rng[rank])
+            else:
+                self._rng_to_apply = rng[rank]
+            self._restored_global_step = state_dict["global_step"]
+
+    BackupAndRestoreCallback.__module__ = __name__
+    return BackupAndRestoreCallback
+
+
+_CLASS_DOC = """Backs a Lightning ``fit`` up as it runs and resumes it when run again.
+
+    Keras's ``tf.keras.callbacks.BackupAndRestore`` for ``Trainer.fit``: when ``fit``
+    starts and ``backup_dir`` holds a backup, training continues from it (model,
+    optimizers, LR schedulers, epoch, global step, batch within the epoch, every
+    replica's random generators), so a job re-run after a failure ends with the
+    parameters of a run that never stopped. While training, the chief backs up at the
+    end of every epoch (``save_freq="epoch"``) or every N optimizer steps
+    (``save_freq=N``), atomically. When ``fit`` finishes normally the backup (and
+    ``backup_dir`` if then empty) is deleted (``delete_checkpoint=True``).
+
+    Every replica reads the backup when ``fit`` starts (Lightning's checkpoint loading),
+    so ``backup_dir`` must be visible to all of them (shared storage across machines).
+    A backup taken in the middle of an epoch resumes at the next batch only when the
+    training dataloader is resumable (Lightning's ``state_dict``/``load_state_dict``
+    protocol, e.g. torchdata's ``StatefulDataLoader``); with a plain ``DataLoader``,
+    Lightning restarts that epoch's data from its beginning and warns.
+
+    Args:
+      backup_dir: directory of this job's backup (``backup_dir/backup.ckpt``).
+      save_freq: ``"epoch"``, or a positive int N: every N optimizer steps.
+      delete_checkpoint: delete the backup when ``fit`` completes.
+
+    Raises:
+      ValueError: a ``save_freq`` that is neither "epoch" nor a positive int.
+    """
