@@ -42,12 +42,14 @@ from torchstrategy import values
 from torchstrategy import parameter_server
 from torchstrategy.parameter_server import ClusterCoordinator, ParameterServerStrategy, Server
 from torchstrategy.lightning import LightningStrategy  # imports Lightning only when used
+from torchstrategy.lightning import BackupAndRestoreCallback  # likewise
 from torchstrategy.lightning import registration as _lightning_registration
 
 __version__ = "0.1.0"
 
 __all__ = [  # one name a line, sorted: adding a name touches one line
     "BackupAndRestore",
+    "BackupAndRestoreCallback",
     "CentralStorageStrategy",
     "ClusterCoordinator",
     "ClusterResolver",
