@@ -280,7 +280,10 @@ void pack_generic(at::Tensor flat, const c10::List<std::optional<at::Tensor>>& t
     if (t.has_value() && t->defined()) {
       TORCH_CHECK(t->numel() == numels[i], "torchstrategy: tensor ", i, " has ", t->numel(),
                   " elements but its slot has ", numels[i]);
-      pieces.push_back(t->reshape({-1}).to(flat.device(), flat.scalar_type()));
+      // Scaled before the cast, so that a narrower buffer (compression) rounds once.
+      at::Tensor piece = t->reshape({-1});
+      if (scale != 1.0) piece = piece * scale;
+      pieces.push_back(piece.to(flat.device(), flat.scalar_type()));
     } else {
       pieces.push_back(at::zeros({numels[i]}, flat.options()));
     }
@@ -290,13 +293,10 @@ void pack_generic(at::Tensor flat, const c10::List<std::optional<at::Tensor>>& t
     const int64_t total = offsets[count - 1] + numels[count - 1] - offsets[0];
     at::Tensor region = flat.narrow(0, offsets[0], total);
     at::cat_out(region, pieces, 0);
-    if (scale != 1.0) region.mul_(scale);
     return;
   }
   for (size_t i = 0; i < count; ++i) {
-    at::Tensor slot = flat.narrow(0, offsets[i], numels[i]);
-    slot.copy_(pieces[i]);
-    if (scale != 1.0) slot.mul_(scale);
+    flat.narrow(0, offsets[i], numels[i]).copy_(pieces[i]);
   }
 }
 
@@ -354,8 +354,3 @@ TORCH_LIBRARY_IMPL(torchstrategy, CPU, m) {
 }
 
 }  // namespace torchstrategy
-
-// The module itself is empty: importing it runs the registrations above.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "torchstrategy's fused kernels, registered as torch.ops.torchstrategy.*";
-}

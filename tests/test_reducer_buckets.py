@@ -95,7 +95,7 @@ def _bucket_views_and_rebuild():
     res["order_after_first"] = [index[id(p)] for p in reducer.bucket_order]
     res["views_after_first"] = [reducer.is_bucket_view(p) for p in model.ps]
     res["stats_first"] = strategy.extended.stats()
-    res["layout"] = [(b.dtype, b.numels, b.flat.numel()) for b in reducer._buckets]
+    res["layout"] = reducer.bucket_layout()
 
     optimizer.zero_grad(set_to_none=False)            # grads stay views, zeroed in place
     res["zeroed_are_views"] = [reducer.is_bucket_view(p) for p in model.ps]
@@ -180,8 +180,11 @@ def test_gradients_are_bucket_views_with_exact_sums_in_every_dtype():
         stats = res["stats_last"]
         assert stats.num_buckets == len(res["layout"]) == 4
         expected_bytes = 0
-        for dtype, numels, flat_numel in res["layout"]:
-            size = torch.empty((), dtype=dtype).element_size()
+        element_size = {"Float": 4, "Half": 2, "BFloat16": 2, "Double": 8}
+        assert sorted(layout[0] for layout in res["layout"]) == sorted(element_size)
+        for dtype, numels, flat_numel, wire in res["layout"]:
+            assert wire == ""
+            size = element_size[dtype]
             end = 0
             for numel in numels:
                 end = aligned(end, size) + numel
@@ -262,3 +265,42 @@ def test_compression_option_is_checked():
 def test_one_replica_stats_are_zero():
     stats = ts.OneDeviceStrategy("cpu").extended.stats()
     assert stats.bytes_reduced == 0 and stats.num_buckets == 0
+
+
+class CountingAllReduce(ts.CrossDeviceOps):
+    """A Python cross-device ops (as HierarchicalCopyAllReduce is): every bucket must come
+    through its all_reduce_async."""
+
+    def __init__(self):
+        self.sizes = []
+
+    def all_reduce_async(self, flat, group):
+        import torch.distributed as dist
+
+        self.sizes.append(flat.numel())
+        return dist.all_reduce(flat, group=group, async_op=True)
+
+
+def _through_python_cross_device_ops():
+    ops = CountingAllReduce()
+    strategy = ts.MirroredStrategy(cross_device_ops=ops, bucket_cap_mb=0.00005)
+    rank = strategy.extended.replica_id
+    with strategy.scope():
+        model = ChainNet()
+    for step in range(2):
+        model.zero_grad()
+        strategy.run(lambda: model(inputs(rank, step)).backward())
+    return _grads(model), ops.sizes, strategy.extended._reducer.bucket_layout(), \
+        strategy.extended.stats()
+
+
+def test_buckets_go_through_a_python_cross_device_ops():
+    n = 2
+    grads, sizes, layout, stats = launch(_through_python_cross_device_ops, n=n)
+    model = ChainNet()
+    for i, g in enumerate(grads):
+        assert torch.equal(g.double(), expected_grad(model, i, [1], n))
+    assert len(layout) > 4                      # 52-byte buckets: several per dtype
+    per_step = [flat for _, _, flat, _ in layout]
+    assert sizes[-len(per_step):] == per_step   # every bucket, in bucket order
+    assert stats.num_buckets == len(layout)

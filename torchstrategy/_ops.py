@@ -13,6 +13,8 @@ except ImportError as error:  # pragma: no cover - exercised only on a broken in
 
 import torch
 
+Reducer = _C.Reducer  # the gradient reducer's hot path (csrc/reducer.cpp)
+
 
 def pack(flat, tensors, offsets, numels, scale=1.0):
     """Writes ``scale * tensors[i]`` into ``flat[offsets[i]:offsets[i] + numels[i]]``.
