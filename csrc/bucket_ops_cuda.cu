@@ -9,7 +9,8 @@
 // integer tensors).
 #include <torch/extension.h>
 #include <ATen/Dispatch.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
@@ -94,7 +95,7 @@ void launch(const std::vector<Chunk>& chunks, at::ScalarType src, at::ScalarType
   at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
   std::memcpy(host.data_ptr(), chunks.data(), bytes);
   at::Tensor device = host.to(like.device(), /*non_blocking=*/true);
-  auto stream = at::cuda::getCurrentCUDAStream();
+  auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src, "torchstrategy_cuda_src", [&] {
     using S = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dst, "torchstrategy_cuda_dst",
