@@ -326,6 +326,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     return out;
   }
 
+  // True when buckets are launched on the c10d process group from C++; false when they go
+  // through the cross-device ops' Python all_reduce_async.
+  bool launches_on_process_group() const { return static_cast<bool>(process_group_); }
+
   bool is_bucket_view(int64_t index) const { return is_view(index, params_[index].grad()); }
 
   // (bytes reduced, buckets launched, seconds waited, synchronised backward passes).
@@ -554,6 +558,7 @@ void bind_reducer(py::module_& m) {
       .def("bucket_order", &Reducer::bucket_order)
       .def("bucket_layout", &Reducer::bucket_layout)
       .def("is_bucket_view", &Reducer::is_bucket_view)
+      .def("launches_on_process_group", &Reducer::launches_on_process_group)
       .def("stats", &Reducer::stats);
 }
 

@@ -124,6 +124,7 @@ def _bucket_views_and_rebuild():
     strategy.run(backward, args=(5,))
     res["no_sync"] = _grads(model)
     res["stats_last"] = strategy.extended.stats()
+    res["on_process_group"] = reducer._core.launches_on_process_group()
     res["order_final"] = [index[id(p)] for p in reducer.bucket_order]
     return from_every_replica(res)
 
@@ -195,6 +196,8 @@ def test_gradients_are_bucket_views_with_exact_sums_in_every_dtype():
         assert stats.steps == 5 and res["stats_first"].steps == 1
         assert stats.compression is None
         assert stats.exposed_communication_seconds >= 0.0
+        # The default NcclAllReduce is launched from C++ on the c10d process group.
+        assert res["on_process_group"]
     # Every replica has the same buckets.
     assert per_replica[0]["order_final"] == per_replica[1]["order_final"]
 
@@ -290,6 +293,7 @@ def _through_python_cross_device_ops():
     for step in range(2):
         model.zero_grad()
         strategy.run(lambda: model(inputs(rank, step)).backward())
+    assert not strategy.extended._reducer._core.launches_on_process_group()
     return _grads(model), ops.sizes, strategy.extended._reducer.bucket_layout(), \
         strategy.extended.stats()
 
