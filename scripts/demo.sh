@@ -4,6 +4,7 @@
 # e.g. `bash scripts/demo.sh --replicas 4 --epochs 3`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+# The demo needs only the main environment, not the 7 GB torch_xla one.
+SKIP_XLA=1 bash scripts/setup.sh
 export PYTHONUNBUFFERED=1
 exec .venv/bin/python examples/quickstart.py "$@"

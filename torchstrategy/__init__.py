@@ -14,7 +14,7 @@ This module only re-exports the public surface; see the submodules for the detai
 from torchstrategy import checkpoint, cluster_resolver
 from torchstrategy.cluster_resolver import (ClusterResolver, ClusterSpec, SimpleClusterResolver,
                                            TFConfigClusterResolver,
-                                           TorchElasticClusterResolver)
+                                           TorchElasticClusterResolver, TPUClusterResolver)
 from torchstrategy.collectives.communicator import CollectiveError
 from torchstrategy.communication_options import (CommunicationImplementation,
                                                  CommunicationOptions)
@@ -28,8 +28,10 @@ from torchstrategy.losses import compute_average_loss, scale_regularization_loss
 from torchstrategy.reduce_op import ReduceOp
 from torchstrategy.replica_context import ReplicaContext
 from torchstrategy.strategies.base import Strategy, StrategyExtended
+from torchstrategy.strategies.central_storage import CentralStorageStrategy
 from torchstrategy.strategies.mirrored import MirroredStrategy
 from torchstrategy.strategies.one_device import OneDeviceStrategy
+from torchstrategy.strategies.tpu import TPUStrategy  # imports torch_xla only when made
 from torchstrategy.values import DistributedValues, Mirrored, PerReplica
 from torchstrategy.variables import (MirroredVariable, SyncOnReadVariable, Variable,
                                      VariableAggregation, VariableSynchronization)
@@ -38,6 +40,7 @@ from torchstrategy import values
 __version__ = "0.1.0"
 
 __all__ = [  # one name a line, sorted: adding a name touches one line
+    "CentralStorageStrategy",
     "ClusterResolver",
     "ClusterSpec",
     "CollectiveError",
@@ -61,6 +64,8 @@ __all__ = [  # one name a line, sorted: adding a name touches one line
     "StrategyExtended",
     "SyncOnReadVariable",
     "TFConfigClusterResolver",
+    "TPUClusterResolver",
+    "TPUStrategy",
     "TorchElasticClusterResolver",
     "ValueContext",
     "Variable",

@@ -1,17 +1,27 @@
 """The fused kernels of ``torchstrategy._C``, as Python functions.
 
 Importing ``torchstrategy._C`` registers ``torch.ops.torchstrategy.pack`` and ``unpack``.
+A missing extension, or one built against another torch, does not make ``import
+torchstrategy`` fail: the torch_xla environment (another torch, no build) imports the package
+for TPUStrategy, which never packs. The first `pack` / `unpack` there raises the ImportError
+below instead.
 """
+import torch
+
 try:
     from torchstrategy import _C  # noqa: F401  (registers the ops)
-except ImportError as error:  # pragma: no cover - exercised only on a broken install
-    raise ImportError(
-        "torchstrategy's compiled extension (torchstrategy._C) is missing or was built "
-        "against another torch. Rebuild it in the environment you run in with "
-        "`pip install --no-build-isolation -e .` (or `bash scripts/setup.sh`)."
-    ) from error
+    _load_error = None
+except ImportError as error:
+    _load_error = error
 
-import torch
+
+def _require_extension():
+    if _load_error is not None:
+        raise ImportError(
+            "torchstrategy's compiled extension (torchstrategy._C) is missing or was built "
+            "against another torch. Rebuild it in the environment you run in with "
+            "`pip install --no-build-isolation -e .` (or `bash scripts/setup.sh`)."
+        ) from _load_error
 
 Reducer = _C.Reducer  # the gradient reducer's hot path (csrc/reducer.cpp)
 
@@ -21,10 +31,12 @@ def pack(flat, tensors, offsets, numels, scale=1.0):
 
     A None entry writes zeros. Sources of another dtype or layout are converted.
     """
+    _require_extension()
     torch.ops.torchstrategy.pack(flat, tensors, offsets, numels, float(scale))
 
 
 def unpack(flat, tensors, offsets, scale=1.0, accumulate=False):
     """Writes ``scale * flat[offsets[i]:...]`` into each ``tensors[i]`` in place (added to
     it when `accumulate`)."""
+    _require_extension()
     torch.ops.torchstrategy.unpack(flat, tensors, offsets, float(scale), bool(accumulate))

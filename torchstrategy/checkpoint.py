@@ -50,6 +50,8 @@ def save(obj, path):
     timeout).
     """
     ext, writer = _strategy_facts()
+    if hasattr(ext, "host_copy"):  # TPUStrategy: write host tensors, loadable without torch_xla
+        obj = ext.host_copy(obj)
     error = None
     if writer:
         path = os.fspath(path)

@@ -39,7 +39,9 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
     if global_batch_size is None:
         local = per_example_loss.shape[0]
         replica = context.get_replica_context()
-        if replica is not None and replica.num_replicas_in_sync > 1:
+        if _traces_global_batch():
+            global_batch_size = local  # one traced program over the whole global batch
+        elif replica is not None and replica.num_replicas_in_sync > 1:
             count = torch.tensor(float(local), device=per_example_loss.device)
             global_batch_size = float(replica.all_reduce(ReduceOp.SUM, count).item())
         else:
@@ -55,8 +57,15 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
 
 def scale_regularization_loss(regularization_loss):
     """Divides a regularisation loss (e.g. an L2 term) by the number of replicas, so that
-    summing gradients over replicas adds it once."""
+    summing gradients over replicas adds it once. Under a strategy that traces one program
+    for all replicas (TPUStrategy) the term is already added once and is returned as is."""
+    if _traces_global_batch():
+        return regularization_loss
     return regularization_loss / _num_replicas()
+
+
+def _traces_global_batch():
+    return getattr(context.get_strategy().extended, "traces_global_batch", False)
 
 
 def _num_replicas():

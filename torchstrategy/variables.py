@@ -92,6 +92,7 @@ class Variable:
         self._tensor = torch.nn.Parameter(value, requires_grad=True) if self._trainable \
             else value
         self._name = name or "Variable"
+        self._strategy.extended._check_variable(self)
         if context.has_strategy():
             self._strategy.extended._mirrored.add_tensor(self._tensor, self._trainable)
 
@@ -144,9 +145,7 @@ class Variable:
 
     # -- writing -------------------------------------------------------------------------
     def _write(self, new_value):
-        with torch.no_grad():
-            self._tensor.copy_(torch.as_tensor(new_value, dtype=self._tensor.dtype,
-                                               device=self._tensor.device))
+        self._strategy.extended._write_variable(self, new_value)
         return self
 
     def assign(self, value):

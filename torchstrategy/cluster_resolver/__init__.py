@@ -4,7 +4,9 @@ from torchstrategy.cluster_resolver.cluster_spec import ClusterSpec
 from torchstrategy.cluster_resolver.tf_config import (TFConfigClusterResolver, TFConfigError,
                                                       read_tf_config)
 from torchstrategy.cluster_resolver.torch_elastic import TorchElasticClusterResolver
+from torchstrategy.cluster_resolver.tpu import TPUClusterResolver
 
 __all__ = ["ClusterResolver", "ClusterSpec", "SimpleClusterResolver",
            "TFConfigClusterResolver", "TFConfigError", "TorchElasticClusterResolver",
+           "TPUClusterResolver",
            "read_tf_config"]

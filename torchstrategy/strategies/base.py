@@ -121,6 +121,17 @@ class StrategyExtended:
             return ReductionStats(num_parameters=0)
         return self._reducer.stats()
 
+    # -- variables -----------------------------------------------------------------------
+    def _check_variable(self, variable):
+        """Raises if this strategy cannot hold `variable` (called when it is created)."""
+
+    def _write_variable(self, variable, new_value):
+        """Writes a variable's (already aggregated) new value into its tensor. Strategies
+        running several replicas in one process override this to write it once."""
+        tensor = variable.tensor
+        with torch.no_grad():
+            tensor.copy_(torch.as_tensor(new_value, dtype=tensor.dtype, device=tensor.device))
+
     # -- mirrored state ------------------------------------------------------------------
     def _sync_mirrored_state(self):
         """Broadcasts tensors mirrored since the last call from replica 0 and gives new

@@ -1,0 +1,86 @@
+"""Distributed input for strategies that run several replicas in one process
+(CentralStorageStrategy).
+
+- `PerHostDataset` (``experimental_distribute_dataset``): the loader yields *global*
+  batches; each is split along dim 0 exactly as the SPMD strategies split it (replica r
+  takes slice r, a short last batch is split as evenly as possible, the first replicas
+  taking the extra rows, and a replica with nothing left gets an empty slice of the right
+  structure), each slice moved to its replica's compute device. One `PerReplica` per leaf.
+- `PerHostDatasetsFromFunction` (``distribute_datasets_from_function``): as in TensorFlow,
+  ``dataset_fn`` is called once for this process (``num_input_pipelines=1``) and yields
+  *per-replica* batches; each step gives consecutive batches to replicas 0, 1, ...; when it
+  runs out in the middle of a step the remaining replicas get empty batches.
+"""
+import torch
+
+from torchstrategy import nest, values
+from torchstrategy.input.contexts import InputContext, InputOptions
+from torchstrategy.input.distributed_dataset import _empty_like_batch, _slice_batch
+
+
+class _PerHostInput:
+    def __init__(self, devices, options):
+        self._devices = list(devices)
+        self._options = options or InputOptions()
+        if not isinstance(self._options, InputOptions):
+            raise TypeError(f"options must be a ts.InputOptions, got {self._options!r}.")
+
+    def _to_device(self, batch, device):
+        if not self._options.experimental_fetch_to_device or device.type == "cpu":
+            return batch
+        return nest.map_structure(
+            lambda leaf: leaf.to(device, non_blocking=True)
+            if isinstance(leaf, torch.Tensor) else leaf, batch)
+
+    def _distribute(self, parts):
+        parts = [self._to_device(part, device) for part, device in zip(parts, self._devices)]
+        if len(parts) == 1:
+            return parts[0]
+        return values.wrap(parts, tuple(range(len(parts))))
+
+
+class PerHostDataset(_PerHostInput):
+    """The result of ``experimental_distribute_dataset`` (see the module docstring)."""
+
+    def __init__(self, dataset, devices, options=None):
+        super().__init__(devices, options)
+        self._dataset = dataset
+
+    def __iter__(self):
+        n = len(self._devices)
+        for batch in self._dataset:
+            yield self._distribute([_slice_batch(batch, n, r) for r in range(n)])
+
+    def __len__(self):
+        return len(self._dataset)
+
+
+class PerHostDatasetsFromFunction(_PerHostInput):
+    """The result of ``distribute_datasets_from_function`` (see the module docstring)."""
+
+    def __init__(self, dataset_fn, devices, options=None):
+        super().__init__(devices, options)
+        self._context = InputContext(num_input_pipelines=1, input_pipeline_id=0,
+                                     num_replicas_in_sync=len(self._devices))
+        self._dataset = dataset_fn(self._context)
+
+    def __iter__(self):
+        n = len(self._devices)
+        iterator = iter(self._dataset)
+        while True:
+            parts = []
+            for batch in iterator:
+                parts.append(batch)
+                if len(parts) == n:
+                    break
+            if not parts:
+                return
+            missing = n - len(parts)
+            parts += [_empty_like_batch(parts[0])] * missing
+            yield self._distribute(parts)
+            if missing:
+                return
+
+    def __len__(self):
+        n = len(self._devices)
+        return -(-len(self._dataset) // n)

@@ -1,0 +1,315 @@
+"""How replica threads read central parameters, sum their gradients and step once.
+
+CentralStorageStrategy keeps one copy of every parameter and buffer (the *central*
+tensors, on the parameter device). During ``strategy.run`` each replica thread sees its own
+*replica copies*, substituted for the central tensors in every torch operation by a
+thread-local `TorchFunctionMode` (nothing is wrapped: the user's module still holds the
+central tensors):
+
+- a parameter's replica copy is a new autograd leaf: on the parameter device it shares the
+  central storage (no copy), on another compute device it is a copy made when ``run``
+  starts (TensorFlow reads the central variable onto the compute device the same way);
+- a buffer's replica copy is a clone; when ``run`` ends the central buffer becomes the mean
+  of the replicas' copies (floating buffers, e.g. BatchNorm statistics) or replica 0's;
+- ``param.grad`` read inside a replica is that replica's view of the summed gradient.
+
+`RunSession` synchronises the threads at two points, as TensorFlow's merge_call does:
+
+- when ``backward()`` ends in a replica (an autograd final callback), every replica waits
+  for the others; then the gradients of all replicas are summed, in replica order, on the
+  parameter device, and every replica's ``param.grad`` becomes that SUM (added to what it
+  held before, so gradient accumulation works);
+- ``optimizer.step()`` called in the replicas applies the update ONCE to the central
+  parameters: every replica waits for the others, replica 0's call updates the central
+  parameters with the summed gradients, the other replicas' calls update nothing (to them
+  every ``.grad`` reads None for the duration of their call), and all replicas continue
+  once the update is done.
+
+When ``run`` returns, the central ``param.grad`` is replica 0's view (the SUM), exactly what
+a single device would hold after ``backward()`` on the global batch.
+"""
+import contextlib
+import functools
+import threading
+
+import torch
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+# The functions torch passes to a mode for ``t.grad`` and ``t.grad = g`` (method-wrappers:
+# a new object at every access, so they are compared with ==).
+_GRAD_GET = torch.Tensor.grad.__get__
+_GRAD_SET = torch.Tensor.grad.__set__
+
+_local = threading.local()
+
+
+def current_replica():
+    """The `ReplicaReads` of the replica this thread runs, or None outside replica threads."""
+    return getattr(_local, "replica", None)
+
+
+def central_view():
+    """In a replica thread: operations inside see the central tensors themselves (for the
+    code that maintains them: rendezvous actions, the optimizer's update, merge_call)."""
+    replica = current_replica()
+    return contextlib.nullcontext() if replica is None else replica.suspended()
+
+
+class ReplicaReads(TorchFunctionMode):
+    """One replica's view of the central tensors (see the module docstring)."""
+
+    def __init__(self, session, replica_id, device):
+        super().__init__()
+        self.session = session
+        self.replica_id = replica_id
+        self.device = device
+        self.copies = {}         # id(central tensor) -> this replica's copy
+        self.grads = {}          # id(central parameter) -> this replica's view of .grad
+        self._suspended = 0      # >0: operations see the central tensors themselves
+        self._hide_grads = 0     # >0: every .grad reads None (a non-chief optimizer.step)
+
+    def suspended(self):
+        return _Counter(self, "_suspended")
+
+    def hiding_grads(self):
+        return _Counter(self, "_hide_grads")
+
+    def _read(self, tensor):
+        return self.copies.get(id(tensor), tensor)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._suspended:
+            return func(*args, **kwargs)
+        if func == _GRAD_GET:
+            if self._hide_grads:
+                return None
+            key = id(args[0])
+            return self.grads[key] if key in self.grads else func(*args)
+        if func == _GRAD_SET:
+            key = id(args[0])
+            if key in self.grads:
+                self.grads[key] = args[1]
+                return None
+            return func(*args)
+        args, kwargs = pytree.tree_map_only(torch.Tensor, self._read, (args, kwargs))
+        return func(*args, **kwargs)
+
+    def __enter__(self):
+        _local.replica = self
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _local.replica = None
+        return super().__exit__(*exc)
+
+
+class _Counter:
+    def __init__(self, owner, attribute):
+        self._owner, self._attribute = owner, attribute
+
+    def __enter__(self):
+        setattr(self._owner, self._attribute, getattr(self._owner, self._attribute) + 1)
+
+    def __exit__(self, *exc):
+        setattr(self._owner, self._attribute, getattr(self._owner, self._attribute) - 1)
+
+
+def central_view_decorator(method):
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        with central_view():
+            return method(*args, **kwargs)
+    return wrapper
+
+
+class RunSession:
+    """The state of one ``strategy.run``: the replica copies, the gradient views, the
+    rendezvous group.
+
+    Class attribute `share_parameter_storage`: on the parameter device a replica's copy
+    of a parameter shares the central storage (True, the default). False makes a real copy
+    there too, which is what every compute device other than the parameter device does;
+    the tests use it to check that path on machines without GPUs.
+
+    Args:
+      group: the `ReplicaGroup` of the run's threads.
+      params: the central parameters (their order fixes the order of reduction).
+      buffers: the central buffers.
+      devices: one compute `torch.device` per replica.
+      parameter_device: where the central tensors live.
+    """
+
+    share_parameter_storage = True
+
+    def __init__(self, group, params, buffers, devices, parameter_device):
+        self.group = group
+        self.strategy = None      # set by the strategy that runs the session
+        self.params = list(params)
+        self.buffers = list(buffers)
+        self.devices = list(devices)
+        self.parameter_device = parameter_device
+        self.replicas = [ReplicaReads(self, r, d) for r, d in enumerate(self.devices)]
+        self._leaves = [[None] * len(self.params) for _ in self.devices]
+        self._queued = [False] * len(self.devices)
+        self._hooks = []
+        with torch.no_grad():
+            for r, replica in enumerate(self.replicas):
+                self._make_copies(r, replica)
+
+    def _make_copies(self, r, replica):
+        device = replica.device
+        for i, p in enumerate(self.params):
+            if device == p.device and self.share_parameter_storage:
+                leaf = p.detach()
+            else:
+                leaf = p.detach().to(device, copy=True)
+            if p.requires_grad:
+                leaf.requires_grad_(True)
+                self._hooks.append(leaf.register_post_accumulate_grad_hook(
+                    lambda _leaf, r=r: self._on_gradient(r)))
+            replica.copies[id(p)] = leaf
+            self._leaves[r][i] = leaf
+            grad = p.grad
+            if grad is not None and (r > 0 or device != grad.device):
+                grad = grad.to(device, copy=True)
+            replica.grads[id(p)] = grad
+        for b in self.buffers:
+            replica.copies[id(b)] = b.detach().to(device, copy=True)
+
+    # -- the end of backward -------------------------------------------------------------
+    def _on_gradient(self, replica_id):
+        # The first gradient of a backward pass queues the synchronisation for the moment
+        # the whole backward pass has finished in this replica.
+        if not self._queued[replica_id]:
+            self._queued[replica_id] = True
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self._end_of_backward(replica_id))
+
+    def _end_of_backward(self, replica_id):
+        self._queued[replica_id] = False
+        self.group.rendezvous(replica_id, "the gradient sum at the end of backward()",
+                              action=lambda _: self._sum_gradients())
+
+    @torch.no_grad()
+    @central_view_decorator
+    def _sum_gradients(self):
+        """Adds the SUM over replicas of the gradients computed since the last sum to every
+        replica's view of ``.grad``, and clears the per-replica leaves' gradients."""
+        for i, p in enumerate(self.params):
+            total = None
+            for leaves in self._leaves:   # replica order: the result is deterministic
+                part = leaves[i].grad
+                leaves[i].grad = None
+                if part is None:
+                    continue
+                if total is None:         # the first replica's gradient is ours to reuse
+                    total = part if part.device == self.parameter_device \
+                        else part.to(self.parameter_device)
+                else:
+                    total.add_(part.to(self.parameter_device))
+            if total is None:
+                continue
+            for r, replica in enumerate(self.replicas):
+                previous = replica.grads[id(p)]
+                # Replica 0 keeps `total` itself; the others get their own copy, so that a
+                # replica changing its .grad in place (clipping) changes only its view.
+                mine = total if r == 0 and replica.device == total.device \
+                    else total.to(replica.device, copy=True)
+                replica.grads[id(p)] = mine if previous is None else previous + mine
+
+    # -- optimizer.step ------------------------------------------------------------------
+    def before_step(self, replica):
+        self.group.rendezvous(replica.replica_id, "optimizer.step()",
+                              action=lambda _: self._publish_gradients())
+        if replica.replica_id == 0:
+            return replica.suspended()     # the update is applied to the central tensors
+        return replica.hiding_grads()      # the other replicas' calls update nothing
+
+    def after_step(self, replica):
+        self.group.rendezvous(replica.replica_id, "the end of optimizer.step()",
+                              action=lambda _: self._refresh_copies())
+
+    @torch.no_grad()
+    @central_view_decorator
+    def _publish_gradients(self):
+        for p in self.params:
+            grad = self.replicas[0].grads[id(p)]
+            p.grad = None if grad is None else grad.to(p.device)
+
+    @torch.no_grad()
+    @central_view_decorator
+    def _refresh_copies(self):
+        # Copies on another device than the parameters' read the updated values, as a read
+        # of the central variable after the update would.
+        for replica in self.replicas:
+            for p in self.params:
+                leaf = replica.copies[id(p)]
+                if leaf.data_ptr() != p.data_ptr():
+                    leaf.copy_(p)
+
+    # -- the end of run ------------------------------------------------------------------
+    def close(self):
+        """Removes the run's autograd hooks (whether or not the run succeeded)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    @torch.no_grad()
+    def write_back(self):
+        """After a successful run, writes the replicas' results to the central tensors:
+        ``.grad`` from replica 0's view, buffers as the mean (floating) or replica 0's value
+        (others)."""
+        for p in self.params:
+            grad = self.replicas[0].grads[id(p)]
+            p.grad = None if grad is None else grad.to(p.device)
+        for b in self.buffers:
+            copies = [replica.copies[id(b)].to(b.device) for replica in self.replicas]
+            if b.is_floating_point() and len(copies) > 1:
+                total = copies[0].clone()
+                for c in copies[1:]:
+                    total.add_(c)
+                b.copy_(total / len(copies))
+            else:
+                b.copy_(copies[0])
+
+
+_hooks_installed = False
+_hooks_lock = threading.Lock()
+
+
+def install_optimizer_hooks():
+    """Makes ``optimizer.step()`` inside a replica thread apply its update once (see the
+    module docstring); everywhere else the hooks do nothing."""
+    global _hooks_installed
+    with _hooks_lock:
+        if _hooks_installed:
+            return
+        register_optimizer_step_pre_hook(_before_step)
+        register_optimizer_step_post_hook(_after_step)
+        _hooks_installed = True
+
+
+def _before_step(optimizer, args, kwargs):
+    replica = current_replica()
+    if replica is None:
+        return None
+    if args[1:] or kwargs:
+        raise ValueError("optimizer.step(closure) is not supported inside "
+                         "CentralStorageStrategy.run: compute the loss and call backward() "
+                         "in the step function, then optimizer.step() without a closure.")
+    guard = replica.session.before_step(replica)
+    guard.__enter__()
+    replica.step_guards = getattr(replica, "step_guards", []) + [guard]
+    return None
+
+
+def _after_step(optimizer, args, kwargs):
+    replica = current_replica()
+    if replica is None:
+        return
+    replica.step_guards.pop().__exit__(None, None, None)
+    replica.session.after_step(replica)

@@ -1,0 +1,419 @@
+"""`CentralStorageStrategy`: parameters on one device, the step replicated in threads
+(tf.distribute.experimental.CentralStorageStrategy).
+
+One process. Parameters, buffers and optimizer state live once, on the *parameter device*;
+``strategy.run(fn)`` runs `fn` once per *compute device*, each replica in its own thread,
+reading the central parameters (see `central_reads`). Gradients are summed over replicas
+onto the parameter device when ``backward()`` ends, and ``optimizer.step()`` updates the
+central parameters once.
+"""
+import contextlib
+
+import torch
+
+from torchstrategy import context, mirroring, nest, values
+from torchstrategy.collectives.communicator import Communicator
+from torchstrategy.collectives.cross_device_ops import NcclAllReduce
+from torchstrategy.devices import default_local_devices, parse_device, parse_devices
+from torchstrategy.launch import world as world_lib
+from torchstrategy.reduce_op import ReduceOp, as_reduce_op
+from torchstrategy.replica_context import ReplicaContext
+from torchstrategy.strategies import central_reads
+from torchstrategy.strategies.base import (Strategy, StrategyExtended, _check_not_mixing,
+                                           _destination_device, logger)
+from torchstrategy.strategies.replica_threads import ReplicaGroup, run_replicas
+
+
+def _sum_in_order(tensors, device):
+    total = None
+    for t in tensors:
+        t = t.to(device)
+        total = t.clone() if total is None else total.add_(t)
+    return total
+
+
+def _reduce_components(op, components, device):
+    """SUM or MEAN of per-replica tensors, added in replica order on `device`."""
+    total = _sum_in_order(components, device)
+    if op is ReduceOp.MEAN:
+        if not (total.is_floating_point() or total.is_complex()):
+            raise ValueError(f"ReduceOp.MEAN of a {total.dtype} tensor is ambiguous; cast it "
+                             "to a floating dtype first, or use SUM.")
+        total = total / len(components)
+    return total
+
+
+class _ThreadCommunicator:
+    """The `Communicator` interface among the replica threads of one run.
+
+    Inside a replica thread every operation meets the other replicas (a rendezvous of the
+    run's `ReplicaGroup`); in cross-replica code the process holds one value and every
+    operation is local.
+    """
+
+    def __init__(self, parameter_device):
+        self.device = parameter_device
+        self.cross_device_ops = NcclAllReduce()
+
+    @staticmethod
+    def _replica():
+        return central_reads.current_replica()
+
+    @property
+    def rank(self):
+        replica = self._replica()
+        return 0 if replica is None else replica.replica_id
+
+    @property
+    def world_size(self):
+        replica = self._replica()
+        return 1 if replica is None else len(replica.session.replicas)
+
+    def _meet(self, what, value, action):
+        replica = self._replica()
+
+        def in_central_view(contributions):
+            with central_reads.central_view():
+                return action(contributions)
+        return replica.session.group.rendezvous(replica.replica_id, what, value,
+                                                action and in_central_view)
+
+    def all_reduce(self, tensors, op, inplace=False):
+        op = as_reduce_op(op)
+        tensors = list(tensors)
+        replica = self._replica()
+        if replica is None:
+            return Communicator(None, 0, 1, self.device, self.cross_device_ops) \
+                .all_reduce(tensors, op, inplace)
+        reduced = self._meet("all_reduce", tensors, lambda parts: [
+            _reduce_components(op, [p[i] for p in parts], self.device)
+            for i in range(len(tensors))])
+        results = [r.to(t.device, copy=True).to(t.dtype) for r, t in zip(reduced, tensors)]
+        if inplace:
+            with torch.no_grad():
+                for t, r in zip(tensors, results):
+                    t.copy_(r)
+            return tensors
+        return results
+
+    def all_gather(self, tensors, axis):
+        tensors = list(tensors)
+        if self._replica() is None:
+            return [t.clone() for t in tensors]
+        for index, t in enumerate(tensors):
+            if t.dim() == 0:
+                raise ValueError(f"Cannot gather a scalar (leaf {index}) along axis {axis}; "
+                                 "give it a dimension first, e.g. t.reshape(1).")
+        gathered = self._meet("all_gather", tensors, lambda parts: [
+            torch.cat([p[i].to(self.device) for p in parts], dim=axis)
+            for i in range(len(tensors))])
+        return [g.to(t.device, copy=True) for g, t in zip(gathered, tensors)]
+
+    def broadcast_(self, tensors, src=0):
+        tensors = list(tensors)
+        if self._replica() is None:
+            return tensors
+        source = self._meet("broadcast", tensors, lambda parts: parts[src])
+        with torch.no_grad():
+            for t, s in zip(tensors, source):
+                if t is not s:
+                    t.copy_(s.to(t.device))
+        return tensors
+
+    def broadcast_object(self, obj, src=0):
+        if self._replica() is None:
+            return obj
+        return self._meet("broadcast", obj, lambda parts: parts[src])
+
+    def barrier(self):
+        if self._replica() is not None:
+            self._meet("barrier", None, None)
+
+
+class _CentralReplicaContext(ReplicaContext):
+    """A replica's context: `all_reduce` / `all_gather` meet the other replica threads;
+    `merge_call` runs `merge_fn` once for all replicas, as in TensorFlow."""
+
+    def merge_call(self, merge_fn, args=(), kwargs=None):
+        """Calls ``merge_fn(strategy, *args, **kwargs)`` once, in cross-replica context,
+        with every replica's arguments as `PerReplica` values; each replica gets the result
+        (its own component of distributed values in it)."""
+        kwargs = kwargs or {}
+        replica = central_reads.current_replica()
+        ids = tuple(range(self.num_replicas_in_sync))
+
+        def merge(contributions):
+            per_replica_args = values.wrap([c[0] for c in contributions], ids)
+            per_replica_kwargs = values.wrap([c[1] for c in contributions], ids)
+            with central_reads.central_view(), context.enter(self._strategy, None):
+                return merge_fn(self._strategy, *per_replica_args, **per_replica_kwargs)
+
+        result = replica.session.group.rendezvous(self._replica_id, "merge_call",
+                                                  (tuple(args), kwargs), merge)
+        return values.local_component(result, self._replica_id)
+
+
+class CentralStorageExtended(StrategyExtended):
+    """`StrategyExtended` of a `CentralStorageStrategy` (one process, N replica threads)."""
+
+    def __init__(self, container, compute_devices, parameter_device, timeout_seconds):
+        communicator = Communicator(None, 0, 1, parameter_device, NcclAllReduce())
+        super().__init__(container, communicator, parameter_device)
+        self._compute_devices = tuple(compute_devices)
+        self._parameter_device = parameter_device
+        self._timeout = timeout_seconds
+        self._threads = _ThreadCommunicator(parameter_device)
+        # One replica computing where the parameters are needs no thread and no copies.
+        self._threaded = len(compute_devices) > 1 or compute_devices[0] != parameter_device
+
+    @property
+    def num_replicas_in_sync(self):
+        return len(self._compute_devices)
+
+    @property
+    def worker_devices(self):
+        return self._compute_devices
+
+    @property
+    def parameter_devices(self):
+        return (self._parameter_device,)
+
+    @property
+    def communicator(self):
+        return self._threads
+
+    # -- variables -------------------------------------------------------------------
+    def _check_variable(self, variable):
+        from torchstrategy.variables import SyncOnReadVariable
+
+        if self._threaded and isinstance(variable, SyncOnReadVariable):
+            raise ValueError("CentralStorageStrategy does not support SyncOnReadVariable "
+                             "(synchronization=ON_READ) yet: return the per-replica values "
+                             "from strategy.run and combine them with strategy.reduce.")
+
+    def _write_variable(self, variable, new_value):
+        replica = central_reads.current_replica()
+        if replica is None or replica.session.strategy is not self._container:
+            return super()._write_variable(variable, new_value)
+        from torchstrategy.variables import VariableAggregation
+
+        if variable.aggregation is VariableAggregation.NONE and self.num_replicas_in_sync > 1:
+            raise ValueError(
+                f"Variable {variable.name!r} is updated inside strategy.run, but its "
+                "aggregation is NONE: under CentralStorageStrategy the variable exists once, "
+                "so the replicas' updates must be combined. Create it with aggregation="
+                "ts.VariableAggregation.SUM, MEAN or ONLY_FIRST_REPLICA.")
+        tensor = variable.tensor
+
+        def write_once(new_values):     # aggregated: every replica holds the same value
+            with central_reads.central_view(), torch.no_grad():
+                tensor.copy_(torch.as_tensor(new_values[0], dtype=tensor.dtype)
+                             .to(tensor.device))
+        replica.session.group.rendezvous(replica.replica_id, "a variable update",
+                                         new_value, write_once)
+
+    # -- values ----------------------------------------------------------------------
+    def _components(self, value):
+        """(components, distributed?) of one leaf, on the parameter device."""
+        if isinstance(value, values.DistributedValues):
+            return [v.to(self._parameter_device) for v in value.values], True
+        if not isinstance(value, torch.Tensor):
+            value = torch.as_tensor(value)
+        return [value.to(self._parameter_device)], False
+
+    def _reduce(self, reduce_op, value, axis):
+        op = as_reduce_op(reduce_op)
+        leaves, spec = nest.flatten(value)
+        out = []
+        for index, leaf in enumerate(leaves):
+            parts, distributed = self._components(leaf)
+            if not distributed and op is ReduceOp.SUM and self.num_replicas_in_sync > 1:
+                raise ValueError(
+                    f"Leaf {index} is a plain tensor, not a per-replica value: under "
+                    "CentralStorageStrategy a tensor outside run is one value for all "
+                    "replicas, so it cannot be SUM-reduced across them (TensorFlow raises "
+                    "too). Reduce the PerReplica returned by strategy.run.")
+            if axis is None:
+                out.append(_reduce_components(op, parts, self._parameter_device)
+                           if distributed else parts[0])
+                continue
+            for t in parts:
+                if t.dim() == 0 or not -t.dim() <= axis < t.dim():
+                    raise ValueError(f"axis {axis} is out of range for leaf {index} of "
+                                     f"shape {tuple(t.shape)}.")
+            total = _sum_in_order([t.sum(dim=axis) for t in parts], self._parameter_device)
+            if op is ReduceOp.MEAN:
+                if not total.is_floating_point():
+                    raise ValueError("ReduceOp.MEAN of integer tensors is ambiguous; cast to "
+                                     "a floating dtype first, or use SUM.")
+                total = total / sum(t.shape[axis] for t in parts)
+            out.append(total)
+        return nest.pack(spec, out)
+
+    def _gather(self, value, axis):
+        leaves, spec = nest.flatten(value)
+        out = []
+        for index, leaf in enumerate(leaves):
+            parts, _ = self._components(leaf)
+            if parts[0].dim() == 0:
+                raise ValueError(f"Cannot gather a scalar (leaf {index}) along axis {axis}; "
+                                 "give it a dimension first, e.g. t.reshape(1).")
+            out.append(torch.cat(parts, dim=axis))
+        return nest.pack(spec, out)
+
+    def _all_reduce_local(self, reduce_op, value):
+        tensors, spec = self._local_tensors(value, "all_reduce")
+        return nest.pack(spec, self._threads.all_reduce(tensors, as_reduce_op(reduce_op)))
+
+    def _all_gather_local(self, value, axis):
+        tensors, spec = self._local_tensors(value, "all_gather")
+        return nest.pack(spec, self._threads.all_gather(tensors, axis))
+
+    def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
+        """Reduces each value across replicas onto its destination (default: the
+        parameter device); returns plain tensors (the process holds one copy)."""
+        results = []
+        for value, destinations in value_destination_pairs:
+            device = _destination_device(destinations) or self._parameter_device
+            reduced = self._reduce(reduce_op, value, None)
+            results.append(nest.map_structure(lambda t: t.to(device), reduced))
+        return results
+
+
+def _choose_devices(compute_devices, parameter_device):
+    compute = parse_devices(compute_devices) if compute_devices is not None \
+        else default_local_devices()
+    if parameter_device is not None:
+        parameter = parse_device(parameter_device).torch_device
+    elif len(compute) == 1 and compute[0].kind == "cuda":
+        parameter = compute[0].torch_device        # one GPU: everything on it
+    else:
+        parameter = torch.device("cpu")            # several devices: the CPU holds them
+    return compute, parameter
+
+
+class CentralStorageStrategy(Strategy):
+    """Synchronous training on the devices of one machine, parameters stored once.
+
+    Parameters, buffers and optimizer state live on one *parameter device*; the step runs
+    once per *compute device*, each replica in a thread of this process reading the central
+    parameters. Inside ``run``, ``loss.backward()`` leaves in ``param.grad`` the SUM of
+    every replica's gradients (scale the loss with ``ts.compute_average_loss``), and
+    ``optimizer.step()`` updates the central parameters once; N replicas then train exactly
+    like one device on the global batch.
+
+    Args:
+      compute_devices: the replicas' devices, e.g. ``["cuda:0", "cuda:1"]`` or
+        ``["cpu:0", "cpu:1"]`` (two replicas on the CPU). None: every local GPU, or one CPU
+        replica when there is none.
+      parameter_device: where the parameters live. None: the GPU when there is exactly one
+        compute GPU, else the CPU.
+      timeout_seconds: bound on every rendezvous of the replica threads (default
+        $TORCHSTRATEGY_TIMEOUT_SECONDS or 30 minutes).
+
+    Raises:
+      ValueError: malformed, duplicate or mixed CPU/CUDA compute devices.
+      RuntimeError: CUDA devices without CUDA.
+    """
+
+    def __init__(self, compute_devices=None, parameter_device=None, *, timeout_seconds=None):
+        compute, parameter = _choose_devices(compute_devices, parameter_device)
+        timeout = world_lib.timeout_seconds(timeout_seconds)
+        super().__init__(CentralStorageExtended(self, [d.torch_device for d in compute],
+                                                parameter, timeout))
+        self._device_names = tuple(d.name for d in compute)
+        mirroring.install_capture()
+        central_reads.install_optimizer_hooks()
+        logger.info(f"CentralStorageStrategy with {len(compute)} replica(s) on "
+                    f"{self._device_names}, parameters on {parameter}")
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        """Runs ``fn(*args, **kwargs)`` once per compute device, each in its own thread and
+        replica context, and waits for all of them.
+
+        Distributed values among the arguments are replaced by each replica's component;
+        other arguments reach every replica as they are. Inside `fn`, the central
+        parameters read as the replica's copies; ``loss.backward()`` ends with the SUM of
+        all replicas' gradients in ``param.grad``; ``optimizer.step()`` updates the central
+        parameters once. Every replica must reach the same synchronisation points
+        (backward, optimizer.step, all_reduce, merge_call) in the same order.
+
+        Returns:
+          A `PerReplica` per leaf of `fn`'s result, one component per compute device (the
+          plain result with one replica).
+
+        Raises:
+          The first failing replica's exception; the other replicas are released from any
+          synchronisation point and stop. `CollectiveError` when a replica does not reach a
+          synchronisation point within the timeout.
+        """
+        ext = self._extended
+        if not ext._threaded:
+            return super().run(fn, args, kwargs, options)
+        if context.in_run():
+            raise RuntimeError("strategy.run was called inside strategy.run (or merge_call). "
+                               "Nested run is not supported: call the function directly.")
+        _check_not_mixing(self)
+        kwargs = kwargs or {}
+        ext._sync_mirrored_state()
+        devices = ext._compute_devices
+        n = len(devices)
+        group = ReplicaGroup(n, ext._timeout)
+        session = central_reads.RunSession(group, ext._mirrored.parameters,
+                                           ext._mirrored.buffers(), devices,
+                                           ext._parameter_device)
+        session.strategy = self
+
+        def replica_fn(r):
+            replica = _CentralReplicaContext(self, r, devices[r])
+            guard = torch.cuda.device(devices[r]) if devices[r].type == "cuda" \
+                else contextlib.nullcontext()
+            with context.enter(self, replica), guard, session.replicas[r]:
+                return fn(*values.local_component(tuple(args), r),
+                          **values.local_component(kwargs, r))
+
+        try:
+            results = run_replicas(group, replica_fn)
+        finally:
+            session.close()
+        session.write_back()
+        if n == 1:
+            return results[0]
+        return values.wrap(results, tuple(range(n)))
+
+    # -- cross-replica operations (one process holds every replica's value) ---------------
+    def gather(self, value, axis):
+        """Concatenates the replicas' components of `value` along `axis`, in replica order,
+        on the parameter device (sizes along `axis` may differ)."""
+        from torchstrategy.strategies.base import _require_cross_replica
+
+        _require_cross_replica("gather")
+        return self._extended._gather(value, axis)
+
+    # -- input ----------------------------------------------------------------------
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """Splits each *global* batch of `dataset` along dim 0 over the replicas (see
+        `torchstrategy.input.per_host.PerHostDataset`)."""
+        from torchstrategy.input.per_host import PerHostDataset
+
+        return PerHostDataset(dataset, self._extended._compute_devices, options)
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        """Calls ``dataset_fn(ts.InputContext)`` once; its per-replica batches go to
+        replicas 0, 1, ... in turn (see `torchstrategy.input.per_host`)."""
+        from torchstrategy.input.per_host import PerHostDatasetsFromFunction
+
+        return PerHostDatasetsFromFunction(dataset_fn, self._extended._compute_devices,
+                                           options)
+
+    def experimental_distribute_values_from_function(self, value_fn):
+        """Calls ``value_fn(ts.ValueContext)`` for every replica; returns a `PerReplica`."""
+        from torchstrategy.input.contexts import ValueContext
+
+        n = self.num_replicas_in_sync
+        parts = [value_fn(ValueContext(r, n)) for r in range(n)]
+        return parts[0] if n == 1 else values.wrap(parts, tuple(range(n)))
+
+    def __repr__(self):
+        return (f"CentralStorageStrategy(compute_devices={list(self._device_names)}, "
+                f"parameter_device={str(self._extended._parameter_device)!r})")

@@ -1,0 +1,475 @@
+"""`TPUStrategy`: synchronous data parallelism over every XLA device with torch_xla's SPMD.
+
+One process per host drives all of its XLA devices. The training step is traced once, over
+the whole global batch, and XLA partitions it: parameters are replicated on every device,
+each batch is split along dim 0 (each device holding its rows), and XLA inserts the
+cross-device sums the math needs. The step therefore computes exactly what one device would
+compute on the global batch: with the loss scaled by ``ts.compute_average_loss`` (the global
+batch size), each parameter's ``.grad`` is the *sum* over replicas of their gradients,
+TensorFlow's semantics, and training equals single-device training on the global batch.
+
+Semantics that follow from tracing one program for all replicas:
+- Inside ``run``, tensors are global: a batch has the global batch's rows, and a loss
+  computed from it already covers every replica. ``ts.get_replica_context().all_reduce`` and
+  ``all_gather`` therefore return their argument unchanged.
+- ``run`` returns `GlobalValue`s. ``reduce(op, value, axis=None)`` returns the global value
+  (the step already combined every replica), so ``reduce(SUM, ...)`` of a loss scaled by
+  ``compute_average_loss`` is the global mean loss, as under MirroredStrategy; with `axis`,
+  SUM / MEAN run along that axis over the whole global batch.
+- ``experimental_local_results`` gives each local device's piece (its rows, or its copy).
+- BatchNorm statistics are those of the global batch (like SyncBatchNorm).
+
+torch_xla is imported when a TPUStrategy is created, never by ``import torchstrategy``.
+"""
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from torchstrategy import context, nest, values
+from torchstrategy.collectives.communicator import Communicator
+from torchstrategy.collectives.cross_device_ops import NcclAllReduce
+from torchstrategy.reduce_op import ReduceOp, as_reduce_op
+from torchstrategy.replica_context import ReplicaContext
+from torchstrategy.strategies.base import (Strategy, StrategyExtended, _check_not_mixing,
+                                           _destination_device, _require_cross_replica,
+                                           logger)
+
+
+class TPUReplicaContext(ReplicaContext):
+    """The replica context of TPUStrategy's ``run``: one traced program standing for every
+    replica at once, seeing global tensors (see the module docstring)."""
+
+    def __init__(self, strategy, device):
+        super().__init__(strategy, 0, device)
+
+    def all_reduce(self, reduce_op, value, options=None):
+        """Returns `value`: inside the SPMD program a tensor is already the global one
+        (computed over every replica's rows), so there is nothing left to combine."""
+        as_reduce_op(reduce_op)
+        return value
+
+    def all_gather(self, value, axis, options=None):
+        """Returns `value`: a global tensor already holds every replica's rows."""
+        return value
+
+
+class TPUExtended(StrategyExtended):
+    """TPUStrategy's extended API: the mesh, the step counter, global values.
+
+    Attributes:
+      mesh: the `torchstrategy.xla.mesh.DataMesh` (all XLA devices on the "data" axis).
+      steps_per_execution: steps traced into one XLA execution.
+    """
+
+    # compute_average_loss / scale_regularization_loss read this: the traced step sees the
+    # whole global batch, not one replica's slice.
+    traces_global_batch = True
+
+    def __init__(self, container, mesh, communicator, steps_per_execution):
+        # Not StrategyExtended.__init__: there is no gradient reducer (XLA partitions the
+        # backward pass), and the replicas are devices, not processes.
+        from torchstrategy import mirroring
+        import threading
+
+        self._container = container
+        self._comm = communicator
+        self.mesh = mesh
+        self.torch_device = mesh.device
+        self._place_in_scope = True
+        self._mirrored = mirroring.MirroredState()
+        self._reducer = None
+        self._scope_depth = threading.local()
+        self.steps_per_execution = steps_per_execution
+        self._pending_steps = 0
+
+    # -- facts ---------------------------------------------------------------------------
+    @property
+    def replica_id(self):
+        """The id of the first replica (device) this process drives: 0 on host 0."""
+        return self.mesh.process_index * self.mesh.num_local_devices
+
+    @property
+    def num_replicas_in_sync(self):
+        return self.mesh.num_devices
+
+    @property
+    def is_chief(self):
+        return self.mesh.process_index == 0
+
+    should_checkpoint = is_chief
+    should_save_summary = is_chief
+
+    @property
+    def worker_devices(self):
+        return (self.mesh.device,)
+
+    @property
+    def experimental_require_static_shapes(self):
+        return True  # a new batch shape is a new XLA compilation
+
+    def _default_replica_context(self):
+        return TPUReplicaContext(self._container, self.mesh.device)
+
+    def _device_guard(self):
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradients accumulate in ``.grad`` across backward passes as on one device (the
+        cross-device sums are inside each traced step), so there is nothing to suspend."""
+        yield
+
+    # -- state ---------------------------------------------------------------------------
+    def _sync_mirrored_state(self):
+        """Makes new parameters and buffers identical on every host (host 0's values; a
+        no-op with one host) and computes them, so their initialisation is not traced into
+        the first step."""
+        import torch_xla
+
+        pending = self._mirrored.take_pending()
+        if not pending:
+            return
+        if self.mesh.process_count > 1:
+            with torch.no_grad():
+                for tensor in pending:
+                    host = tensor.detach().cpu()
+                    dist.broadcast(host, src=0, group=self._comm.group)
+                    tensor.copy_(host.to(tensor.device))
+        torch_xla.sync()
+
+    def _after_step(self):
+        """Cuts the traced graph every `steps_per_execution` steps: XLA then compiles (once)
+        and runs those steps as one execution, asynchronously."""
+        self._pending_steps += 1
+        if self._pending_steps >= self.steps_per_execution:
+            self.flush()
+
+    def flush(self):
+        """Starts the execution of every step traced so far (asynchronous)."""
+        import torch_xla
+
+        torch_xla.sync()
+        self._pending_steps = 0
+
+    def materialize(self):
+        """Runs everything traced so far and waits for the devices."""
+        import torch_xla.core.xla_model as xm
+
+        self.flush()
+        xm.wait_device_ops()
+
+    # -- values --------------------------------------------------------------------------
+    def wrap_global(self, structure):
+        """Wraps every XLA tensor of `structure` in a `GlobalValue`."""
+        from torchstrategy.xla.values import GlobalValue
+
+        return nest.map_structure(
+            lambda leaf: GlobalValue(leaf, self) if _is_xla(leaf) else leaf, structure)
+
+    def local_pieces(self, tensor):
+        """``[(device ordinal, host copy of that device's piece)]`` for the local devices,
+        in device order (rows of a split tensor without XLA's padding; copies of a
+        replicated one)."""
+        import torch_xla
+        from torchstrategy.xla.values import device_ordinal
+
+        self.materialize()
+        shards = torch_xla._XLAC._get_local_shards([tensor])[0]
+        places = torch_xla._XLAC._get_local_shard_replica_and_indices([tensor])[0]
+        pieces = []
+        for (data, device), (_, indices) in zip(shards, places):
+            if indices != Ellipsis:  # drop XLA's padding of an uneven split
+                data = data[tuple(slice(0, s.stop - s.start) for s in indices)]
+            pieces.append((device_ordinal(device), data))
+        pieces.sort(key=lambda piece: piece[0])
+        return pieces
+
+    def to_program_input(self, structure):
+        """What the traced step receives for each leaf of `run`'s arguments: the global tensor
+        of a `GlobalValue`; the concatenation (split along dim 0) of a several-component
+        `PerReplica`; host tensors copied to every device (replicated)."""
+        from torchstrategy.xla.values import GlobalValue
+
+        def convert(leaf):
+            if isinstance(leaf, GlobalValue):
+                return leaf.tensor
+            if isinstance(leaf, values.DistributedValues):
+                parts = leaf.values
+                if len(parts) == 1:
+                    return convert(parts[0])
+                if not all(isinstance(p, torch.Tensor) and p.dim() > 0 for p in parts):
+                    raise ValueError(
+                        "TPUStrategy passes a PerReplica with several components to its one "
+                        "program as their concatenation along dim 0, so each component must "
+                        "be a tensor with a batch dimension (e.g. shape [rows, ...]).")
+                return self.mesh.batch_to_device([torch.cat([p.cpu() for p in parts])])[0]
+            if isinstance(leaf, torch.Tensor) and not _is_xla(leaf):
+                return self.mesh.replicate_to_device(leaf)
+            return leaf
+        return nest.map_structure(convert, structure,)
+
+    def _global_tensors(self, value, what):
+        """Leaves of `value` as global tensors, and the PerReplica leaves as lists of
+        their components (genuinely per-replica values)."""
+        from torchstrategy.xla.values import GlobalValue
+
+        leaves, spec = nest.flatten(value)
+        out = []
+        for index, leaf in enumerate(leaves):
+            if isinstance(leaf, GlobalValue):
+                out.append(leaf.tensor)
+            elif isinstance(leaf, values.DistributedValues):
+                parts = [torch.as_tensor(p) for p in leaf.values]
+                out.append(parts[0] if len(parts) == 1 else parts)
+            elif isinstance(leaf, torch.Tensor):
+                out.append(leaf)
+            elif isinstance(leaf, (bool, int, float)):
+                out.append(torch.as_tensor(leaf))
+            else:
+                raise TypeError(f"{what} needs tensors, but leaf {index} of the structure is "
+                                f"a {type(leaf).__name__} ({leaf!r:.60}).")
+        return out, spec
+
+    def _reduce(self, reduce_op, value, axis):
+        op = as_reduce_op(reduce_op)
+        leaves, spec = self._global_tensors(value, "reduce")
+        out = []
+        for index, leaf in enumerate(leaves):
+            if isinstance(leaf, list):  # one component per replica
+                if axis is None:
+                    stacked = torch.stack(leaf)
+                    _check_mean(op, stacked)
+                    out.append(stacked.sum(0) if op is ReduceOp.SUM else stacked.mean(0))
+                    continue
+                leaf = torch.cat(leaf, dim=axis)
+            elif axis is None:
+                out.append(leaf)  # a global value already covers every replica
+                continue
+            if leaf.dim() == 0 or not -leaf.dim() <= axis < leaf.dim():
+                raise ValueError(f"axis {axis} is out of range for leaf {index} of shape "
+                                 f"{tuple(leaf.shape)}.")
+            _check_mean(op, leaf)
+            out.append(leaf.sum(dim=axis) if op is ReduceOp.SUM else leaf.mean(dim=axis))
+        return nest.pack(spec, out)
+
+    def _all_gather_local(self, value, axis):
+        """Cross-replica gather: every replica's piece concatenated along `axis`, in replica
+        order. For a tensor split along `axis` that is the global tensor itself (nothing
+        moves); otherwise the pieces are concatenated (a replicated value gives one copy per
+        replica, as tf.distribute's gather of identical values does)."""
+        from torchstrategy.xla.mesh import sharding_of
+        from torchstrategy.xla.values import GlobalValue
+
+        leaves, spec = nest.flatten(value)
+        out = []
+        for index, leaf in enumerate(leaves):
+            if isinstance(leaf, GlobalValue):
+                tensor = leaf.tensor
+                _check_axis(tensor, axis, index)
+                if sharding_of(tensor) == "":
+                    self.materialize()
+                if _split_only_along(sharding_of(tensor), axis % tensor.dim()):
+                    out.append(tensor)
+                else:
+                    out.append(torch.cat(list(leaf.values), dim=axis).to(tensor.device))
+            elif isinstance(leaf, values.DistributedValues):
+                parts = list(leaf.values)
+                for p in parts:
+                    _check_axis(p, axis, index)
+                out.append(torch.cat(parts, dim=axis))
+            elif isinstance(leaf, torch.Tensor):
+                _check_axis(leaf, axis, index)
+                out.append(leaf)
+            else:
+                raise TypeError(f"gather needs tensors, but leaf {index} is a "
+                                f"{type(leaf).__name__}.")
+        return nest.pack(spec, out)
+
+    def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
+        results = []
+        for value, destinations in value_destination_pairs:
+            reduced = self._reduce(reduce_op, value, None)
+            device = _destination_device(destinations)
+            if device is not None:
+                reduced = nest.map_structure(
+                    lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, reduced)
+            results.append(reduced)
+        return results
+
+    def host_copy(self, obj):
+        """`obj` with every XLA tensor copied to the host (what ``ts.checkpoint.save``
+        writes, so the file loads anywhere, without torch_xla)."""
+        if not any(_is_xla(leaf) for leaf in nest.flatten(obj)[0]):
+            return obj
+        self.materialize()
+        return nest.map_structure(lambda t: t.cpu() if _is_xla(t) else t, obj)
+
+
+def _is_xla(value):
+    return isinstance(value, torch.Tensor) and value.device.type == "xla"
+
+
+def _check_mean(op, tensor):
+    if op is ReduceOp.MEAN and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise ValueError("ReduceOp.MEAN of integer tensors is ambiguous; cast to a floating "
+                         "dtype first, or use SUM.")
+
+
+def _check_axis(tensor, axis, index):
+    if tensor.dim() == 0:
+        raise ValueError(f"Cannot gather a scalar (leaf {index}) along axis {axis}; give it "
+                         "a dimension first, e.g. t.reshape(1).")
+    if not -tensor.dim() <= axis < tensor.dim():
+        raise ValueError(f"axis {axis} is out of range for leaf {index} of shape "
+                         f"{tuple(tensor.shape)}.")
+
+
+def _split_only_along(sharding, axis):
+    """True when torch_xla's sharding text splits the tensor along `axis` and nowhere else
+    (e.g. "{devices=[4,1]0,1,2,3}" for axis 0)."""
+    if not sharding.startswith("{devices=["):
+        return False
+    tiles = [int(n) for n in sharding[len("{devices=["):sharding.index("]")].split(",")]
+    if "last_tile_dim_replicate" in sharding:
+        tiles = tiles[:-1]
+    return axis < len(tiles) and all((n > 1) == (d == axis) for d, n in enumerate(tiles))
+
+
+class TPUStrategy(Strategy):
+    """Synchronous training on every XLA device (TPU cores, or XLA:CPU devices for testing)
+    with torch_xla's SPMD partitioner; see the module docstring for the semantics.
+
+    Args:
+      cluster_resolver: a `ts.cluster_resolver.TPUClusterResolver` (default: one made from
+        the environment). Several hosts run one process each, all with the same program,
+        e.g. ``torchrun --nnodes=HOSTS --nproc-per-node=1 train.py``.
+      steps_per_execution: how many calls of ``run`` are traced into one XLA execution
+        before the host waits for nothing and moves on (TensorFlow's steps_per_execution).
+        Values returned by ``run`` are computed when that execution runs; reading one on the
+        host (``.item()``, ``experimental_local_results``) runs what is pending first.
+      timeout_seconds: bound on the host-side collectives between hosts (checkpoint
+        barriers, the shuffling seed), as for the other strategies.
+
+    Create the strategy before putting any tensor on an XLA device: it switches torch_xla
+    to SPMD mode. ``num_replicas_in_sync`` is the number of XLA devices of the job.
+
+    Raises:
+      ImportError: torch_xla is not installed, naming the command that installs it.
+      ValueError: ``steps_per_execution`` < 1; torchrun with several processes on a host.
+      RuntimeError: torch_xla's process count disagreeing with the cluster resolver's.
+    """
+
+    def __init__(self, cluster_resolver=None, *, steps_per_execution=1, timeout_seconds=None):
+        from torchstrategy.xla import require_torch_xla
+
+        require_torch_xla()
+        if int(steps_per_execution) < 1:
+            raise ValueError(f"steps_per_execution must be at least 1, got "
+                             f"{steps_per_execution}.")
+        from torchstrategy.cluster_resolver.tpu import TPUClusterResolver
+        from torchstrategy.launch import process_group
+        from torchstrategy.launch import world as world_lib
+        from torchstrategy.xla.mesh import DataMesh
+
+        resolver = cluster_resolver if cluster_resolver is not None else TPUClusterResolver()
+        mesh = DataMesh()
+        hosts = getattr(resolver, "num_hosts", None) or resolver.num_workers
+        if mesh.process_count != hosts:
+            raise RuntimeError(
+                f"torch_xla's runtime sees {mesh.process_count} host process(es) but the "
+                f"cluster resolver describes {hosts} host(s); start one process per host on "
+                "every host of the TPU job.")
+        group = None
+        if mesh.process_count > 1:
+            # Host-side coordination only (checkpoint barriers, seeds): the devices'
+            # collectives are inside the XLA program.
+            world = world_lib.from_environment()
+            if world is None or world.world_size != mesh.process_count:
+                raise RuntimeError("A multi-host TPUStrategy needs torchrun's environment "
+                                   "(torchrun --nnodes=HOSTS --nproc-per-node=1 train.py).")
+            process_group.ensure_process_group(world, "gloo",
+                                               world_lib.timeout_seconds(timeout_seconds))
+        communicator = Communicator(group, mesh.process_index, mesh.process_count,
+                                    torch.device("cpu"), NcclAllReduce())
+        super().__init__(TPUExtended(self, mesh, communicator, int(steps_per_execution)))
+        self._cluster_resolver = resolver
+        if mesh.process_index == 0:
+            logger.info(f"TPUStrategy: {mesh.num_devices} XLA device(s) on "
+                        f"{mesh.process_count} host(s), SPMD data parallelism")
+
+    @property
+    def cluster_resolver(self):
+        return self._cluster_resolver
+
+    # -- run -----------------------------------------------------------------------------
+    def run(self, fn, args=(), kwargs=None, options=None):
+        """Traces ``fn(*args, **kwargs)`` once for all replicas, over global tensors.
+
+        `GlobalValue` arguments (batches from the distributed dataset) are passed as their
+        global tensors, host tensors are copied to every device. Inside `fn`,
+        ``loss.backward()`` leaves in each parameter's ``.grad`` the sum of the replicas'
+        gradients (the gradient over the global batch of a loss scaled by
+        ``ts.compute_average_loss``). Every `steps_per_execution` calls the traced steps
+        start executing on the devices.
+
+        Returns:
+          `fn`'s result with every XLA tensor wrapped in a `GlobalValue`.
+
+        Raises:
+          RuntimeError: when called inside ``run`` or while another strategy is active.
+        """
+        if context.in_run():
+            raise RuntimeError("strategy.run was called inside strategy.run (or merge_call). "
+                               "Nested run is not supported: call the function directly.")
+        _check_not_mixing(self)
+        ext = self._extended
+        ext._sync_mirrored_state()
+        args = ext.to_program_input(args)
+        kwargs = ext.to_program_input(kwargs or {})
+        with context.enter(self, TPUReplicaContext(self, ext.mesh.device)):
+            result = fn(*args, **kwargs)
+        ext._after_step()
+        return ext.wrap_global(result)
+
+    def gather(self, value, axis):
+        """Concatenates every replica's piece of `value` along `axis`, in replica order: for
+        a batch-split tensor and ``axis=0`` that is the global tensor, with nothing moved."""
+        _require_cross_replica("gather")
+        return self._extended._all_gather_local(value, axis)
+
+    def experimental_local_results(self, value):
+        """The pieces of `value` on this host's devices, one per device, in device order
+        (host copies; reading them runs any pending steps first)."""
+        if isinstance(value, values.DistributedValues):
+            return value.values
+        return (value,)
+
+    # -- input ---------------------------------------------------------------------------
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """Distributes an iterable of *global* batches over the devices (split along dim 0),
+        copied ahead of use; see `torchstrategy.xla.input.TPUDistributedDataset`."""
+        from torchstrategy.xla.input import TPUDistributedDataset
+
+        return TPUDistributedDataset(self, dataset, options)
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        """One pipeline per host of per-replica batches; see
+        `torchstrategy.xla.input.TPUDistributedDatasetsFromFunction`."""
+        from torchstrategy.xla.input import TPUDistributedDatasetsFromFunction
+
+        return TPUDistributedDatasetsFromFunction(self, dataset_fn, options)
+
+    def experimental_distribute_values_from_function(self, value_fn):
+        """Calls ``value_fn(ts.ValueContext)`` once per local device; returns a `PerReplica`
+        (passed to ``run`` as the components' concatenation along dim 0)."""
+        from torchstrategy.input.contexts import ValueContext
+
+        ext = self._extended
+        first = ext.replica_id
+        ids = tuple(range(first, first + ext.mesh.num_local_devices))
+        parts = [value_fn(ValueContext(i, ext.num_replicas_in_sync)) for i in ids]
+        return values.wrap(parts, ids) if len(ids) > 1 else values.wrap(parts[0], ids)
+
+    def __repr__(self):
+        return f"TPUStrategy(num_replicas_in_sync={self.num_replicas_in_sync})"

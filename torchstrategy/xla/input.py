@@ -1,0 +1,197 @@
+"""Distributed input for `TPUStrategy`: global batches split along dim 0 over the XLA mesh,
+copied to the devices ahead of use by a background thread.
+
+torch_xla's own loader (``MpDeviceLoader`` / ``ParallelLoader``) shards input with one
+sharding for every tensor of a batch, so a batch of images and labels (tensors of different
+ranks) would not be split; the prefetcher here gives each tensor the dim-0 split of its own
+rank, through torch_xla's public ``send_cpu_data_to_device``, and leaves graph cuts to the
+strategy (``steps_per_execution``).
+"""
+import queue
+import threading
+
+import torch
+
+from torchstrategy import nest
+from torchstrategy.input.contexts import InputContext, InputOptions
+from torchstrategy.input.distributed_dataset import (_ShardedBatchSampler, _empty_like_batch,
+                                                     _is_shardable_loader, _sharded_loader,
+                                                     _slice_batch)
+
+# Batches copied to the devices ahead of the step using them (torch_xla's loader also keeps 2).
+PREFETCH_DEPTH = 2
+_END = object()
+
+
+class _Failure:
+    def __init__(self, error):
+        self.error = error
+
+
+def prefetch_to_device(batches, mesh, depth=PREFETCH_DEPTH):
+    """Yields each host batch of `batches` with its tensor leaves on the mesh (split along
+    dim 0), copying up to `depth` batches ahead in a background thread. An exception in the
+    host pipeline is raised here, in the consumer; leaving the loop early stops the thread.
+    """
+    slots = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(item):
+        while not stop.is_set():
+            try:
+                slots.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce():
+        try:
+            for batch in batches:
+                leaves, spec = nest.flatten(batch)
+                where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+                with torch.no_grad():
+                    moved = mesh.batch_to_device([leaves[i] for i in where])
+                for i, t in zip(where, moved):
+                    leaves[i] = t
+                if not put(nest.pack(spec, leaves)):
+                    return
+            put(_END)
+        except BaseException as error:  # handed to the consumer, never lost in the thread
+            put(_Failure(error))
+
+    worker = threading.Thread(target=produce, name="torchstrategy-xla-prefetch", daemon=True)
+    worker.start()
+    try:
+        while True:
+            item = slots.get()
+            if item is _END:
+                return
+            if isinstance(item, _Failure):
+                raise item.error
+            yield item
+    finally:
+        stop.set()
+        worker.join(timeout=10)
+
+
+class _TPUInputBase:
+    def __init__(self, strategy, options):
+        self._ext = strategy.extended
+        self._options = options or InputOptions()
+        if not isinstance(self._options, InputOptions):
+            raise TypeError(f"options must be a ts.InputOptions, got {self._options!r}.")
+
+    def _deliver_all(self, host_batches):
+        if not self._options.experimental_fetch_to_device:
+            yield from host_batches
+            return
+        for batch in prefetch_to_device(host_batches, self._ext.mesh):
+            yield self._ext.wrap_global(batch)
+
+
+class TPUDistributedDataset(_TPUInputBase):
+    """``TPUStrategy.experimental_distribute_dataset(dataset)``: `dataset` yields *global*
+    batches; each tensor arrives on the XLA devices split along dim 0, as a `GlobalValue`.
+
+    With one host the loader is iterated as it is. With several hosts each host reads only
+    its own rows of every global batch (a DataLoader over a map-style dataset is sharded at
+    the sampler, with the same shuffling seed on every host; any other iterable is read whole
+    and sliced). A short last batch is split by XLA (``ceil(rows / devices)`` rows per
+    device; the step computes on exactly the rows given, nothing padded into the math).
+    """
+
+    def __init__(self, strategy, dataset, options=None):
+        super().__init__(strategy, options)
+        ext = self._ext
+        self._dataset = dataset
+        self._loader = dataset
+        self._sampler = None
+        self._epoch = 0
+        self._hosts = ext.mesh.process_count
+        self._host = ext.mesh.process_index
+        if self._hosts > 1 and _is_shardable_loader(dataset):
+            seed = ext.communicator.broadcast_object(int(torch.initial_seed()))
+            self._sampler = _ShardedBatchSampler(dataset.batch_sampler, self._hosts,
+                                                 self._host, seed)
+            self._loader = _sharded_loader(dataset, self._sampler)
+
+    def set_epoch(self, epoch):
+        """Sets the epoch the next iteration uses (for resuming)."""
+        self._epoch = int(epoch)
+
+    def _host_batches(self):
+        epoch = self._epoch
+        self._epoch += 1
+        if self._sampler is not None:
+            self._sampler.set_epoch(epoch)
+            for batch in self._loader:
+                if self._sampler.empty.popleft():
+                    batch = _empty_like_batch(batch)
+                yield batch
+            return
+        for batch in self._loader:
+            if self._hosts > 1:
+                batch = _slice_batch(batch, self._hosts, self._host)
+            yield batch
+
+    def __iter__(self):
+        return self._deliver_all(self._host_batches())
+
+    def __len__(self):
+        return len(self._dataset)
+
+
+class TPUDistributedDatasetsFromFunction(_TPUInputBase):
+    """``TPUStrategy.distribute_datasets_from_function(dataset_fn)``.
+
+    As in tf.distribute, ``dataset_fn(ts.InputContext)`` builds one input pipeline per host
+    (``input_pipeline_id`` = the host's index, ``num_input_pipelines`` = the number of hosts)
+    yielding *per-replica* batches (``ctx.get_per_replica_batch_size(global_batch)`` rows);
+    the strategy takes one batch per local device and concatenates them into the host's
+    part of the global batch, so replica r's rows are the r-th batch drawn. If the pipeline
+    ends part-way through a group, the batches drawn so far make a short last batch.
+    """
+
+    def __init__(self, strategy, dataset_fn, options=None):
+        super().__init__(strategy, options)
+        mesh = self._ext.mesh
+        self._context = InputContext(num_input_pipelines=mesh.process_count,
+                                     input_pipeline_id=mesh.process_index,
+                                     num_replicas_in_sync=mesh.num_devices)
+        self._per_host = mesh.num_local_devices
+        self._dataset = dataset_fn(self._context)
+
+    def _host_batches(self):
+        group = []
+        for batch in self._dataset:
+            group.append(batch)
+            if len(group) == self._per_host:
+                yield _concatenate(group)
+                group = []
+        if group:
+            yield _concatenate(group)
+
+    def __iter__(self):
+        return self._deliver_all(self._host_batches())
+
+    def __len__(self):
+        return -(-len(self._dataset) // self._per_host)
+
+
+def _concatenate(batches):
+    if len(batches) == 1:
+        return batches[0]
+    flat = [nest.flatten(b) for b in batches]
+    spec = flat[0][1]
+    leaves = []
+    for parts in zip(*[leaves for leaves, _ in flat]):
+        if isinstance(parts[0], torch.Tensor) and parts[0].dim() > 0:
+            leaves.append(torch.cat(parts))
+        else:
+            leaves.append(parts[0])
+    return nest.pack(spec, leaves)
+
+
+__all__ = ["TPUDistributedDataset", "TPUDistributedDatasetsFromFunction",
+           "prefetch_to_device"]
