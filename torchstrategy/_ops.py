@@ -23,7 +23,11 @@ def _require_extension():
             "`pip install --no-build-isolation -e .` (or `bash scripts/setup.sh`)."
         ) from _load_error
 
-Reducer = _C.Reducer  # the gradient reducer's hot path (csrc/reducer.cpp)
+
+def make_reducer(*args):
+    """A ``torchstrategy._C.Reducer`` (the gradient reducer's hot path, csrc/reducer.cpp)."""
+    _require_extension()
+    return _C.Reducer(*args)
 
 
 def pack(flat, tensors, offsets, numels, scale=1.0):

@@ -104,7 +104,7 @@ class GradientReducer:
             if reducer is not None:
                 reducer._finalize()
 
-        make = lambda process_group: _ops.Reducer(
+        make = lambda process_group: _ops.make_reducer(
             int(bucket_cap_bytes), int(first_bucket_bytes), communicator.world_size,
             self._compression or "", process_group, cross_device_ops, communicator.group,
             hold, finalize)
