@@ -15,7 +15,9 @@ from torchstrategy import checkpoint, cluster_resolver
 from torchstrategy.cluster_resolver import (ClusterResolver, ClusterSpec, SimpleClusterResolver,
                                            TFConfigClusterResolver,
                                            TorchElasticClusterResolver, TPUClusterResolver)
+from torchstrategy.backup_and_restore import BackupAndRestore
 from torchstrategy.collectives.communicator import CollectiveError
+from torchstrategy.collectives.hierarchical import HierarchicalCopyAllReduce
 from torchstrategy.communication_options import (CommunicationImplementation,
                                                  CommunicationOptions)
 from torchstrategy.collectives.cross_device_ops import (CrossDeviceOps, NcclAllReduce,
@@ -30,6 +32,7 @@ from torchstrategy.replica_context import ReplicaContext
 from torchstrategy.strategies.base import Strategy, StrategyExtended
 from torchstrategy.strategies.central_storage import CentralStorageStrategy
 from torchstrategy.strategies.mirrored import MirroredStrategy
+from torchstrategy.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from torchstrategy.strategies.one_device import OneDeviceStrategy
 from torchstrategy.strategies.tpu import TPUStrategy  # imports torch_xla only when made
 from torchstrategy.values import DistributedValues, Mirrored, PerReplica
@@ -40,6 +43,7 @@ from torchstrategy import values
 __version__ = "0.1.0"
 
 __all__ = [  # one name a line, sorted: adding a name touches one line
+    "BackupAndRestore",
     "CentralStorageStrategy",
     "ClusterResolver",
     "ClusterSpec",
@@ -48,11 +52,13 @@ __all__ = [  # one name a line, sorted: adding a name touches one line
     "CommunicationOptions",
     "CrossDeviceOps",
     "DistributedValues",
+    "HierarchicalCopyAllReduce",
     "InputContext",
     "InputOptions",
     "Mirrored",
     "MirroredStrategy",
     "MirroredVariable",
+    "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
     "PerReplica",

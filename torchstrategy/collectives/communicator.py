@@ -53,6 +53,11 @@ class CollectiveError(RuntimeError):
     collectives. Raised instead of waiting forever."""
 
 
+# Set by strategies that can name the replica behind a failure (the multi-worker strategy):
+# a function (rank) -> one sentence appended to every `CollectiveError`.
+failure_diagnosis = None
+
+
 @contextlib.contextmanager
 def explained_failures(what, rank):
     """Re-raises a backend failure inside the block as a `CollectiveError` that says what
@@ -71,7 +76,10 @@ def explained_failures(what, rank):
             cause = "failed because another replica died (its connection closed)"
         else:
             raise
-        raise CollectiveError(f"torchstrategy: {what} on replica {rank} {cause}. "
+        diagnosis = ""
+        if failure_diagnosis is not None:
+            diagnosis = failure_diagnosis(rank) + " "
+        raise CollectiveError(f"torchstrategy: {what} on replica {rank} {cause}. {diagnosis}"
                               f"Backend: {text.splitlines()[0][:300]}") from error
 
 

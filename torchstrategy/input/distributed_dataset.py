@@ -19,6 +19,7 @@ splits them: ``[0, 1, 2, 3]`` over two replicas is ``[0, 1]`` and ``[2, 3]``.
 """
 import collections
 import copy
+import itertools
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler, SequentialSampler
@@ -64,6 +65,7 @@ class _ShardedBatchSampler(Sampler):
         self._replica_id = replica_id
         self._seed = seed
         self._epoch = 0
+        self._start_step = 0
         self.empty = collections.deque()
         self._inner = copy.copy(batch_sampler)
         self._generator = None
@@ -76,8 +78,9 @@ class _ShardedBatchSampler(Sampler):
             self._inner.sampler.generator = self._generator
         self._deterministic = isinstance(sampler, SequentialSampler)
 
-    def set_epoch(self, epoch):
+    def set_epoch(self, epoch, start_step=0):
         self._epoch = epoch
+        self._start_step = start_step
 
     def _global_batches(self):
         seed = self._seed + self._epoch
@@ -94,7 +97,9 @@ class _ShardedBatchSampler(Sampler):
 
     def __iter__(self):
         self.empty.clear()
-        for indices in self._global_batches():
+        # Resuming mid-epoch: the batches already trained on are skipped as indices, never
+        # loaded.
+        for indices in itertools.islice(self._global_batches(), self._start_step, None):
             indices = list(indices)
             start, size = split_bounds(len(indices), self._num_replicas, self._replica_id)
             if size == 0 and indices:
@@ -144,6 +149,9 @@ class _InputBase:
         return self._ext._wrap(batch)
 
 
+_END = object()
+
+
 class DistributedDataset(_InputBase):
     """The result of ``strategy.experimental_distribute_dataset(dataset)`` (see the module
     docstring). Iterate it once per epoch; ``len()`` is the number of steps when the
@@ -159,6 +167,7 @@ class DistributedDataset(_InputBase):
         ext = self._ext
         self._dataset = dataset
         self._epoch = 0
+        self._start_step = 0
         self._num_replicas = ext.num_replicas_in_sync
         self._replica_id = ext.replica_id
         self._sampler = None
@@ -184,22 +193,50 @@ class DistributedDataset(_InputBase):
         # drawing from the RNG, so distributing a dataset changes no later random number.
         return int(torch.initial_seed())
 
-    def set_epoch(self, epoch):
+    def set_epoch(self, epoch, start_step=0):
         """Sets the epoch the next iteration uses (for resuming); normally each iteration
-        advances it by one."""
+        advances it by one. With `start_step` the next iteration starts at that step of the
+        epoch: a sharded DataLoader skips the earlier batches' indices without loading them,
+        any other iterable is iterated past them."""
         self._epoch = int(epoch)
+        self._start_step = int(start_step)
+
+    def state_dict(self):
+        """The position to resume from: the next epoch and the shuffling seed."""
+        return {"epoch": self._epoch,
+                "seed": None if self._sampler is None else self._sampler._seed}
+
+    def load_state_dict(self, state):
+        """Restores `state_dict()`'s position (the same on every replica)."""
+        self._epoch = int(state["epoch"])
+        if self._sampler is not None and state.get("seed") is not None:
+            self._sampler._seed = int(state["seed"])
 
     def __iter__(self):
-        epoch = self._epoch
+        # The loader's iterator is made (and a resumed epoch's first steps skipped) here,
+        # not at the first batch, so that a caller restoring random state (BackupAndRestore)
+        # can do it between the iterator's set-up and the first batch, as it happened in
+        # the run being resumed.
+        epoch, start_step = self._epoch, self._start_step
         self._epoch += 1
+        self._start_step = 0
         if self._sampler is not None:
-            self._sampler.set_epoch(epoch)
-            for batch in self._loader:
-                if self._sampler.empty.popleft():
-                    batch = _empty_like_batch(batch)
-                yield self._deliver(batch)
-            return
-        for batch in self._loader:
+            self._sampler.set_epoch(epoch, start_step)
+            return self._sharded_batches(iter(self._loader))
+        batches = iter(self._loader)
+        for _ in range(start_step):
+            if next(batches, _END) is _END:
+                break
+        return self._sliced_batches(batches)
+
+    def _sharded_batches(self, batches):
+        for batch in batches:
+            if self._sampler.empty.popleft():
+                batch = _empty_like_batch(batch)
+            yield self._deliver(batch)
+
+    def _sliced_batches(self, batches):
+        for batch in batches:
             if self._num_replicas > 1:
                 batch = _slice_batch(batch, self._num_replicas, self._replica_id)
             yield self._deliver(batch)

@@ -38,11 +38,13 @@ def ensure_process_group(world, backend, timeout_seconds):
                 "existing process group first.")
         return None
     timeout = datetime.timedelta(seconds=timeout_seconds)
-    if not (world.launcher == "reexec" and world.rank == 0):
-        # Replica 0 of a re-executed job releases its group only after the others have
-        # finished (the supervisor does it); everyone else releases it at exit. A group
-        # left to the interpreter's teardown can abort the process ("terminate called
-        # without an active exception") and turn a clean run into exit code 134.
+    if not (world.launcher == "reexec" and world.local_rank == 0 and
+            world.local_world_size > 1):
+        # Replica 0 of a re-executed job (on each machine) releases its group only after
+        # the others have finished (the supervisor does it); everyone else releases it at
+        # exit. A group left to the interpreter's teardown can abort the process
+        # ("terminate called without an active exception") and turn a clean run into exit
+        # code 134.
         atexit.register(release_process_group)
     if world.launcher == "torchrun":
         dist.init_process_group(backend, init_method="env://", timeout=timeout)

@@ -206,27 +206,45 @@ class _Supervisor:
         os._exit(self.exit_code())
 
 
-def start_local_replicas(num_replicas, timeout_seconds):
+def start_local_replicas(num_replicas, timeout_seconds, *, node_rank=0, num_nodes=1,
+                         master_addr=None, master_port=None):
     """Starts replicas 1..N-1 of this program and returns replica 0's `World`.
 
-    This process hosts the rendezvous store on 127.0.0.1 and a port the OS picks, so there
-    is no port to configure and no race for one.
+    On one machine this process hosts the rendezvous store on 127.0.0.1 and a port the OS
+    picks, so there is no port to configure and no race for one.
+
+    On several machines (a TF_CONFIG cluster) this is machine `node_rank` of `num_nodes`,
+    each running `num_replicas` replicas: machine 0's first process hosts the store at
+    `master_addr`:`master_port` and every other process connects to it; machine m's
+    replicas take the global ranks ``m * num_replicas .. (m + 1) * num_replicas - 1``.
+    With one replica per machine nothing is re-executed.
     """
-    command = reexec_command()
-    store = dist.TCPStore("127.0.0.1", 0, num_replicas, is_master=True,
-                          wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_seconds))
+    world_size = num_replicas * num_nodes
+    timeout = datetime.timedelta(seconds=timeout_seconds)
+    command = reexec_command() if num_replicas > 1 else None
+    if num_nodes == 1:
+        master_addr = "127.0.0.1"
+        store = dist.TCPStore(master_addr, 0, world_size, is_master=True,
+                              wait_for_workers=False, timeout=timeout)
+    else:
+        store = dist.TCPStore(master_addr, master_port, world_size, is_master=node_rank == 0,
+                              wait_for_workers=False, timeout=timeout)
+    first_rank = node_rank * num_replicas
     threads = world_lib.threads_per_replica(num_replicas)
     children = {}
-    for rank in range(1, num_replicas):
+    for local_rank in range(1, num_replicas):
+        rank = first_rank + local_rank
         env = dict(os.environ)
-        env.update(world_lib.replica_environment(rank, num_replicas, store.port, "reexec",
-                                                 timeout_seconds))
+        env.update(world_lib.replica_environment(rank, world_size, store.port, "reexec",
+                                                 timeout_seconds, node_rank=node_rank,
+                                                 num_nodes=num_nodes, master_addr=master_addr))
         env.setdefault("OMP_NUM_THREADS", str(threads))
         children[rank] = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(threads)
-    _Supervisor(children)
-    return world_lib.World(rank=0, world_size=num_replicas, local_rank=0,
+    if children:
+        _Supervisor(children)
+    return world_lib.World(rank=first_rank, world_size=world_size, local_rank=0,
                            local_world_size=num_replicas, launcher="reexec",
-                           master_addr="127.0.0.1", master_port=store.port, store=store)
+                           master_addr=master_addr, master_port=store.port, store=store,
+                           node_rank=node_rank, num_nodes=num_nodes)

@@ -29,6 +29,7 @@ class World:
       launcher: "single", "torchrun", "reexec" or "launch".
       master_addr / master_port: the rendezvous store's address.
       store: the rendezvous TCPStore when this process hosts it (re-execution's replica 0).
+      node_rank / num_nodes: this machine's index among the machines, and their number.
     """
 
     rank: int = 0
@@ -39,6 +40,8 @@ class World:
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     store: Optional[Any] = None
+    node_rank: int = 0
+    num_nodes: int = 1
 
 
 def _int_env(name, default=None):
@@ -67,12 +70,16 @@ def from_environment():
         return None
     world_size = _int_env("WORLD_SIZE")
     local_world_size = _int_env("LOCAL_WORLD_SIZE", world_size)
-    return World(rank=_int_env("RANK"), world_size=world_size,
-                 local_rank=_int_env("LOCAL_RANK", _int_env("RANK")),
+    rank = _int_env("RANK")
+    return World(rank=rank, world_size=world_size,
+                 local_rank=_int_env("LOCAL_RANK", rank),
                  local_world_size=local_world_size,
                  launcher=launcher or "torchrun",
                  master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                 master_port=_int_env("MASTER_PORT", 0))
+                 master_port=_int_env("MASTER_PORT", 0),
+                 node_rank=_int_env("GROUP_RANK", rank // max(1, local_world_size)),
+                 num_nodes=_int_env("GROUP_WORLD_SIZE",
+                                    max(1, world_size // max(1, local_world_size))))
 
 
 def timeout_seconds(explicit=None):
@@ -86,12 +93,20 @@ def timeout_seconds(explicit=None):
     return value
 
 
-def replica_environment(rank, world_size, port, launcher, timeout):
-    """The environment variables a launched replica receives (torchrun's names plus ours)."""
+def replica_environment(rank, world_size, port, launcher, timeout, *, node_rank=0,
+                        num_nodes=1, master_addr="127.0.0.1"):
+    """The environment variables a launched replica receives (torchrun's names plus ours).
+
+    With several machines (`num_nodes` > 1) `rank` is the global rank; each machine runs
+    ``world_size // num_nodes`` replicas, machine `node_rank` holding the consecutive ranks
+    from ``node_rank * world_size // num_nodes``.
+    """
+    local_world_size = world_size // num_nodes
     env = {
-        "RANK": str(rank), "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
-        "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "RANK": str(rank), "LOCAL_RANK": str(rank - node_rank * local_world_size),
+        "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(local_world_size),
+        "GROUP_RANK": str(node_rank), "GROUP_WORLD_SIZE": str(num_nodes),
+        "MASTER_ADDR": master_addr, "MASTER_PORT": str(port),
         LAUNCHER_ENV: launcher, TIMEOUT_ENV: repr(float(timeout)),
         PARENT_PID_ENV: str(os.getpid()),
     }

@@ -1,0 +1,326 @@
+"""`BackupAndRestore`: resume a custom training loop where it stopped (TensorFlow's name).
+
+A job restarted after a failure (``torchrun --max-restarts``, a rescheduled machine) runs
+the same program again from the top. With a backup it picks up at the step it had reached,
+with the same parameters, optimizer state, data position and random numbers, so its final
+parameters are those of a run that never stopped::
+
+    backup = ts.BackupAndRestore("/shared/backup", save_freq=100)
+    backup.track(model=model, optimizer=optimizer)       # restores, if there is a backup
+    for epoch in backup.epochs(EPOCHS):                  # from the epoch it stopped in
+        for step, batch in backup.steps(dist_data):      # from the step it stopped at
+            strategy.run(train_step, args=(batch,))
+    # finished: the backup is deleted (delete_checkpoint=True)
+
+What a backup holds: the `state_dict()` of every tracked object; the position (epoch, step
+within it, steps done); the state of every dataset iterated with `steps` (its epoch and its
+shuffling seed); and the random number generators of every replica (torch's CPU and CUDA
+generators, Python's `random`, NumPy's global generator).
+
+Every replica calls the same methods at the same points (they are collectives). The chief
+(replica 0) writes the backup atomically (a temporary file, flushed, renamed), so a crash
+while writing leaves the previous backup intact; at start the chief reads it and sends it to
+the others, so only the chief's machine needs to see `backup_dir`.
+"""
+import itertools
+import os
+import random
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+_FILE = "backup.pt"
+
+
+def _distributed():
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _rank():
+    return dist.get_rank() if _distributed() else 0
+
+
+def _object_device():
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
+def _broadcast_from_chief(obj):
+    if not _distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, device=_object_device())
+    return box[0]
+
+
+def _gather_to_chief(obj):
+    """Every replica's `obj` on the chief (a list in rank order); None elsewhere."""
+    if not _distributed():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out if dist.get_rank() == 0 else None
+
+
+def _barrier():
+    if _distributed():
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[torch.cuda.current_device()])
+        else:
+            dist.barrier()
+
+
+def _rng_state():
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        state["numpy"] = numpy.random.get_state()
+    return state
+
+
+def _set_rng_state(state):
+    if state is None:  # not recorded (a backup written before any step ran)
+        return
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if "numpy" in state:
+        import numpy
+
+        numpy.random.set_state(state["numpy"])
+
+
+def _write_atomically(obj, path):
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
+    try:
+        with os.fdopen(handle, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+
+
+class BackupAndRestore:
+    """Backs a custom training loop up as it runs and restores it after a restart.
+
+    Args:
+      backup_dir: where the chief keeps the backup (``backup_dir/backup.pt``). Use a
+        directory of this job only; on a cluster, one on the chief's machine (or shared).
+      save_freq: ``"epoch"``: back up at the end of every epoch; an int N: back up every N
+        steps (counted over the whole run, across epochs).
+      delete_checkpoint: delete the backup when `epochs` finishes the last epoch, so that
+        the next run of the program starts afresh (TensorFlow's default).
+
+    Use `track` for what to save, `epochs` and `steps` for the loops, `save` to back up at
+    another moment. `epoch`, `step` and `global_step` give the position at any time, and
+    `restored` tells whether this run resumed from a backup.
+
+    Raises:
+      ValueError: a `save_freq` that is neither "epoch" nor a positive int.
+    """
+
+    def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True):
+        if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(
+                save_freq, int) or save_freq < 1):
+            raise ValueError(f"save_freq must be 'epoch' or a positive number of steps, got "
+                             f"{save_freq!r}.")
+        self.backup_dir = os.path.abspath(os.fspath(backup_dir))
+        self.save_freq = save_freq
+        self.delete_checkpoint = delete_checkpoint
+        self.epoch = 0          # the epoch running (or next to run)
+        self.step = 0           # the step of `epoch` running (or next to run)
+        self.global_step = 0    # steps finished since training began
+        self.restored = False
+        self._objects = {}
+        self._datasets = []     # iterated with steps(), in order of first use
+        self._pending_datasets = []
+        self._pending_rng = None
+        self._epoch_rng = None  # the random state when the current epoch's steps began
+
+    @property
+    def path(self):
+        """The backup file."""
+        return os.path.join(self.backup_dir, _FILE)
+
+    # -- what to back up -----------------------------------------------------------------
+    def track(self, **objects):
+        """Backs up these objects from now on and, if a backup exists, restores them now.
+
+        Args:
+          **objects: name -> anything with ``state_dict()`` and ``load_state_dict()``: the
+            model, the optimizer, a learning-rate scheduler, a GradScaler... Names must stay
+            the same between runs.
+
+        Returns:
+          self.
+
+        Raises:
+          TypeError: an object without state_dict/load_state_dict.
+          KeyError: a backup that lacks one of the names (it was written by other code).
+        """
+        for name, obj in objects.items():
+            if not (callable(getattr(obj, "state_dict", None))
+                    and callable(getattr(obj, "load_state_dict", None))):
+                raise TypeError(f"BackupAndRestore.track: {name}={obj!r} has no "
+                                "state_dict()/load_state_dict(); track models, optimizers, "
+                                "schedulers and other objects that have them.")
+        self._objects.update(objects)
+        payload = self._read()
+        if payload is not None:
+            self._restore(payload, objects)
+        return self
+
+    def _read(self):
+        # The backup holds Python objects (random states), so it is fully unpickled: it is
+        # a file this class wrote in `backup_dir`, which must not be writable by others.
+        payload = None
+        if _rank() == 0 and os.path.exists(self.path):
+            payload = torch.load(self.path, map_location="cpu", weights_only=False)
+        return _broadcast_from_chief(payload)
+
+    def _restore(self, payload, objects):
+        missing = [name for name in objects if name not in payload["objects"]]
+        if missing:
+            raise KeyError(f"The backup at {self.path} has no state for {missing} (it holds "
+                           f"{sorted(payload['objects'])}). Track the same names as the run "
+                           "that wrote it, or remove the backup to start afresh.")
+        for name, obj in objects.items():
+            obj.load_state_dict(payload["objects"][name])
+        if self.restored:
+            return  # the position and RNG were restored by an earlier track()
+        self.restored = True
+        self.epoch, self.step = payload["epoch"], payload["step"]
+        self.global_step = payload["global_step"]
+        self._pending_datasets = list(payload["datasets"])
+        world = dist.get_world_size() if _distributed() else 1
+        if len(payload["rng"]) == world:
+            rng = payload["rng"][_rank()]
+            if self.step == 0:
+                _set_rng_state(rng["now"])
+            else:
+                # Mid-epoch: the interrupted run had set up this epoch's iterator (which
+                # draws random numbers: shuffling, the loader's base seed) and fetched the
+                # batches already done before the backup. `steps` redoes that from the
+                # state the epoch began with, then sets the state of the backup.
+                self._pending_rng = rng
+
+    # -- the loops -----------------------------------------------------------------------
+    def epochs(self, num_epochs):
+        """Yields the epochs still to run, from the one the backup stopped in (0 on a fresh
+        start) to ``num_epochs - 1``. With ``save_freq="epoch"`` a backup is written after
+        each epoch's body; after the last epoch the backup is deleted (`delete_checkpoint`).
+        """
+        for epoch in range(self.epoch, num_epochs):
+            self.epoch = epoch
+            yield epoch
+            self.epoch, self.step = epoch + 1, 0
+            if self.save_freq == "epoch":
+                self.save()
+        if self.delete_checkpoint:
+            self.delete()
+
+    def steps(self, data):
+        """Yields ``(step, batch)`` for the rest of the current epoch of `data`.
+
+        `data` is a distributed dataset (``strategy.experimental_distribute_dataset``), a
+        DataLoader or any iterable; its epoch is set (``set_epoch``) and, when resuming, the
+        steps already done are skipped (a distributed DataLoader skips their indices without
+        loading them). With an int `save_freq` a backup is written every `save_freq` steps,
+        after the step's body. Datasets are backed up in the order `steps` first sees them.
+
+        Use it for the training data, once per epoch; iterate evaluation data directly (its
+        batches are not training steps).
+        """
+        index = next((i for i, d in enumerate(self._datasets) if d is data), None)
+        if index is None:
+            index = len(self._datasets)
+            self._datasets.append(data)
+            if index < len(self._pending_datasets) and self._pending_datasets[index] is not None \
+                    and hasattr(data, "load_state_dict"):
+                data.load_state_dict(self._pending_datasets[index])
+        if self._pending_rng is not None:
+            _set_rng_state(self._pending_rng["epoch_start"])
+        self._epoch_rng = _rng_state()
+        iterator = self._positioned_iterator(data, self.epoch, self.step)
+        if self._pending_rng is not None:
+            _set_rng_state(self._pending_rng["now"])
+            self._pending_rng = None
+        for step, batch in enumerate(iterator, self.step):
+            self.step = step
+            yield step, batch
+            self.step = step + 1
+            self.global_step += 1
+            if self.save_freq != "epoch" and self.global_step % self.save_freq == 0:
+                self.save()
+
+    @staticmethod
+    def _positioned_iterator(data, epoch, start_step):
+        from torchstrategy.input.distributed_dataset import DistributedDataset
+
+        if isinstance(data, DistributedDataset):
+            data.set_epoch(epoch, start_step)
+            return iter(data)  # skips the first start_step steps now
+        if callable(getattr(data, "set_epoch", None)):
+            data.set_epoch(epoch)
+        elif callable(getattr(getattr(data, "sampler", None), "set_epoch", None)):
+            data.sampler.set_epoch(epoch)  # a DataLoader with a DistributedSampler
+        iterator = iter(data)
+        for _ in itertools.islice(iterator, start_step):
+            pass  # the steps done before the backup, skipped now (not at the first batch)
+        return iterator
+
+    # -- writing -------------------------------------------------------------------------
+    def save(self):
+        """Backs up the tracked objects and the position now (every replica calls it; the
+        chief writes). `epochs` and `steps` call it per `save_freq`."""
+        rng = _gather_to_chief({"now": _rng_state(), "epoch_start": self._epoch_rng})
+        error = None
+        if _rank() == 0:
+            try:
+                self._write(rng)
+            except BaseException as caught:  # the barrier below must still be reached
+                error = caught
+        _barrier()
+        if error is not None:
+            raise error
+
+    def _write(self, rng):
+        datasets = [d.state_dict() if callable(getattr(d, "state_dict", None)) else None
+                    for d in self._datasets]
+        payload = {"epoch": self.epoch, "step": self.step,
+                   "global_step": self.global_step,
+                   "objects": {name: obj.state_dict()
+                               for name, obj in self._objects.items()},
+                   "datasets": datasets, "rng": rng}
+        # Datasets are saved at the start of the epoch in progress (a mid-epoch backup
+        # resumes that epoch, whose iteration already advanced their counter).
+        for state in datasets:
+            if isinstance(state, dict) and "epoch" in state:
+                state["epoch"] = self.epoch
+        _write_atomically(payload, self.path)
+
+    def delete(self):
+        """Removes the backup (the chief does; every replica calls it)."""
+        if _rank() == 0:
+            if os.path.exists(self.path):
+                os.unlink(self.path)
+            try:
+                os.rmdir(self.backup_dir)
+            except OSError:
+                pass  # not empty (the user's files) or already gone
+        _barrier()
+
+    def __repr__(self):
+        return (f"BackupAndRestore({self.backup_dir!r}, save_freq={self.save_freq!r}, "
+                f"epoch={self.epoch}, step={self.step})")
