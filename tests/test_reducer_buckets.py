@@ -4,6 +4,7 @@ the rebuild from the observed gradient order, statistics, and unused parameters.
 
 Gradients here are small integers, so every sum is exact in every dtype and the tests
 compare with ``torch.equal``."""
+import pytest
 import torch
 import torch.nn as nn
 
@@ -255,8 +256,6 @@ def test_compression_error_is_bounded_by_the_wire_precision():
 
 
 def test_compression_option_is_checked():
-    import pytest
-
     with pytest.raises(ValueError, match="compression must be None, 'bf16' or 'fp16'"):
         ts.NcclAllReduce(compression="int8")
     with pytest.raises(ValueError, match="compression must be None, 'bf16' or 'fp16'"):
@@ -308,3 +307,30 @@ def test_buckets_go_through_a_python_cross_device_ops():
     per_step = [flat for _, _, flat, _ in layout]
     assert sizes[-len(per_step):] == per_step   # every bucket, in bucket order
     assert stats.num_buckets == len(layout)
+
+
+def _multi_worker_with_compression_options():
+    options = ts.CommunicationOptions(compression="bf16")
+    strategy = ts.MultiWorkerMirroredStrategy(
+        communication_options=options, cross_device_ops=ts.HierarchicalCopyAllReduce())
+    rank = strategy.extended.replica_id
+    with strategy.scope():
+        w = nn.Parameter(torch.zeros(5))
+        holder = nn.Module()
+        holder.w = w
+    x = torch.tensor([1.0, 3.0, 0.1, 100.0, -2.5]) * (rank + 1)
+    strategy.run(lambda: (w * x).sum().backward())
+    return (w.grad.clone(), strategy.extended.stats(),
+            strategy.extended._reducer._core.launches_on_process_group())
+
+
+def test_communication_options_compression_reaches_a_python_cross_device_ops():
+    grad, stats, on_process_group = launch(_multi_worker_with_compression_options, n=2)
+    exact = torch.tensor([1.0, 3.0, 0.1, 100.0, -2.5]) * 3
+    assert stats.compression == "bf16" and not on_process_group
+    assert stats.bytes_reduced == (8 + 1) * 2        # 5 values + padding to 8, 1 flag
+    assert bool(((grad - exact).abs() <= 2 * 2 ** -8 * exact.abs()).all()), grad
+    assert not torch.equal(grad, exact)              # 0.1 is not a bf16 number
+    with pytest.raises(ValueError, match="disagrees with"):
+        from torchstrategy.collectives.compression import with_compression
+        with_compression(ts.NcclAllReduce(compression="fp16"), "bf16")

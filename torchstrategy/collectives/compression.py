@@ -34,3 +34,21 @@ def wire_dtype(compression, dtype):
     if torch.finfo(dtype).bits <= torch.finfo(wire).bits:
         return None
     return wire
+
+
+def with_compression(cross_device_ops, compression):
+    """Returns `cross_device_ops` set to carry `compression` (how a strategy applies
+    ``CommunicationOptions.compression`` to its cross-device ops).
+
+    Raises:
+      ValueError: a bad value, or cross-device ops already set to another compression.
+    """
+    compression = check_compression(compression)
+    if compression is None:
+        return cross_device_ops
+    current = getattr(cross_device_ops, "compression", None)
+    if current not in (None, compression):
+        raise ValueError(f"CommunicationOptions(compression={compression!r}) disagrees with "
+                         f"{cross_device_ops!r}; set compression in one place only.")
+    cross_device_ops.compression = compression
+    return cross_device_ops

@@ -92,6 +92,8 @@ class GradientReducer:
         if bucket_cap_bytes <= 0:
             raise ValueError(f"bucket_cap_bytes must be positive, got {bucket_cap_bytes}.")
         self._comm = communicator
+        self._cap = int(bucket_cap_bytes)
+        self._first_cap = min(int(first_bucket_bytes), self._cap)
         self._params = []          # registration order
         self._known = set()        # ids of registered parameters
         self._index = {}           # id(param) -> registration index
