@@ -39,6 +39,8 @@ from torchstrategy.values import DistributedValues, Mirrored, PerReplica
 from torchstrategy.variables import (MirroredVariable, SyncOnReadVariable, Variable,
                                      VariableAggregation, VariableSynchronization)
 from torchstrategy import values
+from torchstrategy.lightning import LightningStrategy  # imports Lightning only when used
+from torchstrategy.lightning import registration as _lightning_registration
 
 __version__ = "0.1.0"
 
@@ -55,6 +57,7 @@ __all__ = [  # one name a line, sorted: adding a name touches one line
     "HierarchicalCopyAllReduce",
     "InputContext",
     "InputOptions",
+    "LightningStrategy",
     "Mirrored",
     "MirroredStrategy",
     "MirroredVariable",
@@ -89,3 +92,7 @@ __all__ = [  # one name a line, sorted: adding a name touches one line
     "scale_regularization_loss",
     "values",
 ]
+
+# Trainer(strategy="mirrored") etc.: registers into Lightning when (and only if) it is
+# imported. Last, so that every strategy imported above is seen.
+_lightning_registration.install()

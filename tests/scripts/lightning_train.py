@@ -1,0 +1,152 @@
+"""Trains a small LightningModule with a given strategy and saves what the tests compare.
+
+    python tests/scripts/lightning_train.py --strategy ddp|mirrored|instance|one_device \
+        --model boring|regression --out DIR [--package lightning|pytorch_lightning] [--resume]
+
+Run as a plain script (Lightning's ddp and our re-execution launcher both start the other
+replica by running this command again). Replica 0 writes DIR/result.pt: the final
+state_dict, the logged metrics, and what validate/test/predict returned.
+"""
+import argparse
+import importlib
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--strategy", required=True)
+parser.add_argument("--model", default="boring")
+parser.add_argument("--out", required=True)
+parser.add_argument("--package", default="lightning")
+parser.add_argument("--import-order", default="torchstrategy-first")
+parser.add_argument("--max-steps", type=int, default=6)
+parser.add_argument("--resume", action="store_true",
+                    help="train half the steps, then resume from the checkpoint")
+args = parser.parse_args()
+
+if args.import_order == "torchstrategy-first":
+    import torchstrategy as ts
+pl = importlib.import_module("lightning.pytorch" if args.package == "lightning"
+                             else "pytorch_lightning")
+demos = importlib.import_module(f"{pl.__name__}.demos.boring_classes")
+if args.import_order != "torchstrategy-first":
+    import torchstrategy as ts
+from torchstrategy.lightning import LightningStrategy
+
+
+class Regression(pl.LightningModule):
+    """y = 2x + 3 with noise; logs a synced metric, gathers predictions."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Sequential(torch.nn.Linear(1, 8), torch.nn.Tanh(),
+                                         torch.nn.Linear(8, 1))
+
+    def forward(self, x):
+        return self.layer(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if isinstance(self.trainer.strategy, LightningStrategy):
+            # Our steps run in the strategy's replica context; its collectives work there.
+            replica = ts.get_replica_context()
+            assert replica.replica_id_in_sync_group == self.global_rank
+            assert replica.num_replicas_in_sync == self.trainer.world_size
+            total = replica.all_reduce("SUM", torch.ones(1))
+            assert total.item() == self.trainer.world_size, total
+        loss = F.mse_loss(self(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("val_loss", loss, sync_dist=True)
+        self.log("val_max", loss, sync_dist=True, reduce_fx="max")
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        gathered = self.all_gather(x)
+        assert gathered.shape == (self.trainer.world_size,) + tuple(x.shape), gathered.shape
+        self.log("test_loss", F.mse_loss(self(x), y), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.05)
+
+
+def regression_data():
+    g = torch.Generator().manual_seed(1)
+    x = torch.rand(64, 1, generator=g) * 4 - 2
+    y = 2 * x + 3 + 0.05 * torch.randn(64, 1, generator=g)
+    return TensorDataset(x, y)
+
+
+def make_trainer(max_steps, callbacks=()):
+    if args.strategy == "instance":
+        strategy = LightningStrategy(ts.MirroredStrategy(devices=["cpu:0", "cpu:1"]))
+        devices = "auto"
+    elif args.strategy == "one_device":
+        strategy, devices = "one_device", 1
+    else:  # "ddp", "mirrored", "multi_worker_mirrored", "mirrored_notebook" (stdin)
+        strategy, devices = args.strategy, 2
+    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices,
+                      max_steps=max_steps, limit_val_batches=2, enable_progress_bar=False,
+                      enable_model_summary=False, logger=False,
+                      default_root_dir=args.out, callbacks=list(callbacks),
+                      enable_checkpointing=bool(callbacks),
+                      # gradient accumulation (no_sync) for the BoringModel runs
+                      accumulate_grad_batches=2 if args.model == "boring" else 1)
+
+
+def main():
+    pl.seed_everything(7)
+    if args.model == "boring":
+        model = demos.BoringModel()
+        train = DataLoader(demos.RandomDataset(32, 64), batch_size=4, shuffle=True)
+        val = DataLoader(demos.RandomDataset(32, 16), batch_size=4)
+    else:
+        model = Regression()
+        train = DataLoader(regression_data(), batch_size=8, shuffle=True)
+        val = DataLoader(regression_data(), batch_size=8)
+    result = {}
+    if args.resume:
+        ckpt = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(args.out, "ckpt"),
+                                            save_last=True, every_n_train_steps=1)
+        trainer = make_trainer(args.max_steps // 2, [ckpt])
+        trainer.fit(model, train, val)
+        last = os.path.join(args.out, "ckpt", "last.ckpt")
+        result["checkpoint_keys"] = sorted(torch.load(last, weights_only=False)["state_dict"])
+        pl.seed_everything(7)
+        resumed = Regression() if args.model == "regression" else demos.BoringModel()
+        ckpt2 = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(args.out, "ckpt2"),
+                                             save_last=True)
+        trainer = make_trainer(args.max_steps, [ckpt2])
+        trainer.fit(resumed, train, val, ckpt_path=last)
+        model = resumed
+    else:
+        trainer = make_trainer(args.max_steps)
+        trainer.fit(model, train, val)
+    result["global_step"] = trainer.global_step
+    result["strategy"] = type(trainer.strategy).__name__
+    result["world_size"] = trainer.world_size
+    result["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    result["state_dict"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if args.model == "regression":
+        result["validate"] = trainer.validate(model, val, verbose=False)
+        result["test"] = trainer.test(model, val, verbose=False)
+        predictions = trainer.predict(model, DataLoader(regression_data(), batch_size=8))
+        result["predictions"] = torch.cat(predictions)
+    result["lightning_modules"] = sorted(m for m in ("lightning", "pytorch_lightning")
+                                         if m in sys.modules)
+    if trainer.is_global_zero:
+        torch.save(result, os.path.join(args.out, "result.pt"))
+
+
+if __name__ == "__main__":
+    main()
