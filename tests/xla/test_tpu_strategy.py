@@ -5,6 +5,7 @@ import copy
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -217,7 +218,18 @@ def test_checkpoint_saved_under_tpu_strategy_loads_into_a_plain_model(strategy, 
     assert_states_close(cpu_copy(restored), cpu_copy(model), atol=0)
 
 
-def executions():
+def finished_executions():
+    """How many XLA executions have run so far, counting every one already started.
+
+    torch_xla runs a cut graph asynchronously: ``torch_xla.sync()`` hands the execution to a
+    runtime thread, which records it in the ExecuteReplicatedTime metric only when it
+    returns. Reading the counter straight after a ``run`` therefore races with the
+    executions still in flight (under CPU load it sees one fewer, or an earlier read sees one
+    fewer and the difference is one too many). ``wait_device_ops`` waits for those
+    executions without cutting the graph, so it adds none itself: steps traced but not yet
+    cut stay pending and uncounted.
+    """
+    xm.wait_device_ops()
     data = met.metric_data("ExecuteReplicatedTime") or met.metric_data("ExecuteTime")
     return 0 if data is None else data[0]
 
@@ -240,10 +252,14 @@ def test_steps_per_execution_equals_single_steps():
         optimizer.zero_grad()
         return loss
 
-    before = executions()
-    losses = [bundled.run(step, args=(b,)) for b in bundled.experimental_distribute_dataset(loader)]
-    assert bundled.extended._pending_steps == 0      # 8 steps: two executions of 4
-    assert executions() - before == 2
+    before = finished_executions()
+    losses = []
+    for batch in bundled.experimental_distribute_dataset(loader):
+        losses.append(bundled.run(step, args=(batch,)))
+        # 8 steps: the 4th and the 8th cut the graph, each into one execution of 4 steps;
+        # the steps in between execute nothing.
+        assert finished_executions() - before == len(losses) // 4, f"after {len(losses)} steps"
+    assert len(losses) == 8 and bundled.extended._pending_steps == 0
     losses = torch.stack([bundled.reduce("SUM", l, axis=None).cpu() for l in losses])
     torch.testing.assert_close(losses, losses_single, atol=1e-5, rtol=1e-5)
     assert_states_close(cpu_copy(model), final_single, atol=1e-5)
