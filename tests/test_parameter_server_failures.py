@@ -145,6 +145,12 @@ import json, sys, time
 import torchstrategy as ts
 strategy = ts.ParameterServerStrategy(ts.SimpleClusterResolver(
     json.loads(sys.argv[1]), task_type="chief", task_id=0), startup_timeout=120)
+# Ready once both servers answer an rpc: they have finished joining and are serving, so
+# what the test sees is a serving server losing its chief, not a join cut short.
+import torch
+from torch.distributed import rpc
+for name in ("worker:0", "ps:0"):
+    rpc.rpc_sync(name, torch.add, args=(torch.ones(1), 1), timeout=120)
 print("ready", flush=True)
 time.sleep(600)
 """
