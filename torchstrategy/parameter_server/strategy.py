@@ -6,8 +6,12 @@ round-robin, each large one split along dimension 0 into a `ShardedVariable` whe
 `variable_partitioner` says so. The chief's module keeps its own tensors as a local copy,
 refreshed from the parameter servers whenever the module runs (forward) and by
 ``model.state_dict()``; ``model.load_state_dict(...)`` sends the loaded values to the
-parameter servers. Checkpoints are therefore plain state dicts that load into any number of
-shards or into a model without a strategy.
+parameter servers. An optimizer over those parameters keeps its state on the parameter
+servers too (`optimizers.RemoteOptimizer`): ``optimizer.state_dict()`` gathers it, shards
+joined, and ``optimizer.load_state_dict(...)`` sends it back, re-split; changes to its
+``param_groups`` settings (lr schedulers) apply to the steps scheduled after them.
+Checkpoints are therefore plain ``{"model": ..., "optimizer": ...}`` state dicts that load
+into any number of shards or into a model and optimizer without a strategy.
 
 Training runs on workers through a `ClusterCoordinator`: see `coordinator` and
 docs/parameter_server.md.
@@ -285,7 +289,12 @@ class ParameterServerStrategy(Strategy):
     The program runs on the chief. Modules and ``ts.Variable``s created in ``scope()`` live
     on the parameter servers; a `ClusterCoordinator` schedules training steps onto the
     workers, each of which pulls the parameters, computes gradients and pushes them; the
-    servers apply the optimizer as the gradients arrive.
+    servers apply the optimizer as the gradients arrive, with the optimizer's settings as
+    they were on the chief when the step was scheduled (so ``torch.optim.lr_scheduler``
+    works). ``model.state_dict()`` and ``optimizer.state_dict()`` on the chief return the
+    servers' current values and optimizer state in the format of one process (sharded
+    tensors joined along dimension 0); their ``load_state_dict`` sends values and state to
+    the servers, split into the current shards.
 
     Args:
       cluster_resolver: a `ClusterResolver` for a cluster with a "chief", "worker"s and
