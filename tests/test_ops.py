@@ -84,3 +84,66 @@ def test_cuda_tensors_use_the_generic_path():
     _ops.unpack(flat, outs, offsets, 0.5)
     for t, o in zip(tensors, outs):
         assert torch.equal(t, o)
+
+
+# -- compression: the fused cast-and-scale of the gradient reducer's wire buffers -----------
+WIRE = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.mark.parametrize("which", OPS)
+@pytest.mark.parametrize("wire", WIRE)
+@pytest.mark.parametrize("source", [torch.float32, torch.float64])
+def test_pack_into_a_narrower_dtype_rounds_once_after_scaling(which, wire, source):
+    pack, unpack = OPS[which]
+    g = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(n, generator=g, dtype=source) * 10 for n in (5, 70001, 33)]
+    offsets, numels, total = _layout(tensors)
+    flat = torch.empty(total, dtype=WIRE[wire])
+    pack(flat, tensors, offsets, numels, 0.5)
+    expected = torch.cat([t * 0.5 for t in tensors]).to(WIRE[wire])
+    if source == torch.float32:
+        assert torch.equal(flat, expected)          # fp32 -> wire: exactly torch's rounding
+    else:                                           # fp64 -> wire may round via fp32
+        torch.testing.assert_close(flat.double(), expected.double(), rtol=2 ** -7, atol=0)
+    # Back off the wire, scaled: within the wire dtype's rounding of the original.
+    outs = [torch.empty_like(t) for t in tensors]
+    unpack(flat, outs, offsets, 2.0, False)
+    eps = torch.finfo(WIRE[wire]).eps
+    for i, (t, out) in enumerate(zip(tensors, outs)):
+        assert out.dtype == source
+        assert torch.equal(out, flat[offsets[i]:offsets[i] + t.numel()].to(source) * 2)
+        assert bool(((out - t).abs() <= eps * t.abs()).all())
+
+
+@pytest.mark.parametrize("which", OPS)
+def test_unpack_from_the_wire_accumulates_in_the_target_dtype(which):
+    pack, unpack = OPS[which]
+    wire = torch.tensor([1.5, -2.0, 0.25, 4.0], dtype=torch.bfloat16)
+    target = torch.ones(4)
+    unpack(wire, [target], [0], 2.0, True)
+    assert torch.equal(target, torch.tensor([4.0, -3.0, 1.5, 9.0]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_kernel_packs_many_tensors_with_scale_and_compression(wire):
+    g = torch.Generator().manual_seed(2)
+    sizes = [1, 3, 4, 1000, 16384 * 3 + 5, 7]                 # unaligned tails, many chunks
+    tensors = [torch.randn(n, generator=g).cuda() for n in sizes]
+    offsets, total = [], 0
+    for t in tensors:                                         # 16-byte aligned slots
+        offsets.append(total)
+        total += -(-t.numel() // 8) * 8
+    flat = torch.full((total,), 3.0, device="cuda", dtype=wire)
+    sources = list(tensors)
+    sources[1] = None
+    _ops.pack(flat, sources, offsets, [t.numel() for t in tensors], 0.25)
+    for i, t in enumerate(tensors):
+        got = flat[offsets[i]:offsets[i] + t.numel()]
+        want = torch.zeros_like(t) if sources[i] is None else t * 0.25
+        assert torch.equal(got, want.to(wire))
+    outs = [torch.zeros_like(t) for t in tensors]
+    _ops.unpack(flat, outs, offsets, 4.0, True)
+    for i, (t, out) in enumerate(zip(tensors, outs)):
+        want = flat[offsets[i]:offsets[i] + t.numel()].float() * 4.0
+        assert torch.equal(out, want)

@@ -24,6 +24,12 @@ def _require_extension():
         ) from _load_error
 
 
+def make_reducer(*args):
+    """A ``torchstrategy._C.Reducer`` (the gradient reducer's hot path, csrc/reducer.cpp)."""
+    _require_extension()
+    return _C.Reducer(*args)
+
+
 def pack(flat, tensors, offsets, numels, scale=1.0):
     """Writes ``scale * tensors[i]`` into ``flat[offsets[i]:offsets[i] + numels[i]]``.
 

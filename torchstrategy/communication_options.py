@@ -2,6 +2,8 @@
 import enum
 import numbers
 
+from torchstrategy.collectives.compression import check_compression
+
 
 class CommunicationImplementation(enum.Enum):
     """Which collective implementation to use.
@@ -26,13 +28,16 @@ class CommunicationOptions:
         instead of hanging; None keeps the strategy's default (TORCHSTRATEGY_TIMEOUT_SECONDS,
         else 30 minutes).
       implementation: a `CommunicationImplementation` or its name ("AUTO", "RING", "NCCL").
+      compression: None, "bf16" or "fp16": gradients of wider floating dtypes are
+        all-reduced in that dtype (half the bytes, rounded); the same as
+        ``ts.NcclAllReduce(compression=...)``.
 
     Raises:
       ValueError / TypeError: naming the bad argument.
     """
 
     def __init__(self, bytes_per_pack=0, timeout_seconds=None,
-                 implementation=CommunicationImplementation.AUTO):
+                 implementation=CommunicationImplementation.AUTO, compression=None):
         if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int) \
                 or bytes_per_pack < 0:
             raise ValueError(f"bytes_per_pack must be a non-negative int (0 = automatic), "
@@ -54,8 +59,10 @@ class CommunicationOptions:
         self.bytes_per_pack = bytes_per_pack
         self.timeout_seconds = timeout_seconds
         self.implementation = implementation
+        self.compression = check_compression(compression)
 
     def __repr__(self):
         return (f"CommunicationOptions(bytes_per_pack={self.bytes_per_pack}, "
                 f"timeout_seconds={self.timeout_seconds}, "
-                f"implementation={self.implementation.name})")
+                f"implementation={self.implementation.name}"
+                + (f", compression={self.compression!r})" if self.compression else ")"))

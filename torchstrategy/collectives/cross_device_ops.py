@@ -7,6 +7,8 @@ fused collectives hand every buffer to the strategy's cross-device ops.
 import torch
 import torch.distributed as dist
 
+from torchstrategy.collectives.compression import check_compression
+
 
 class _Done:
     """A finished handle (world size 1)."""
@@ -39,7 +41,13 @@ class _All:
 
 
 class CrossDeviceOps:
-    """Base class. Subclasses implement `all_reduce_async` (a SUM, in place)."""
+    """Base class. Subclasses implement `all_reduce_async` (a SUM, in place).
+
+    ``compression`` (None here) is the wire dtype the gradient reducer casts buckets to
+    before handing them to `all_reduce_async` ("bf16", "fp16" or None).
+    """
+
+    compression = None
 
     def all_reduce_async(self, flat, group):
         raise NotImplementedError("abstract: subclasses implement all_reduce_async")
@@ -59,12 +67,17 @@ class NcclAllReduce(CrossDeviceOps):
     Args:
       num_packs: the buffer is split into this many chunks, each its own collective, so
         that a large buffer's chunks can be in flight together.
+      compression: None, "bf16" or "fp16": gradient buckets of wider floating dtypes travel
+        in that dtype (half the bytes; each sum rounded to it, see
+        `torchstrategy.collectives.compression`). Values reduced with
+        ``strategy.reduce`` are never compressed.
     """
 
-    def __init__(self, num_packs=1):
-        if not isinstance(num_packs, int) or num_packs < 1:
+    def __init__(self, num_packs=1, compression=None):
+        if isinstance(num_packs, bool) or not isinstance(num_packs, int) or num_packs < 1:
             raise ValueError(f"num_packs must be a positive int, got {num_packs!r}.")
         self.num_packs = num_packs
+        self.compression = check_compression(compression)
 
     def all_reduce_async(self, flat, group):
         if dist.get_world_size(group) == 1:
@@ -75,7 +88,9 @@ class NcclAllReduce(CrossDeviceOps):
                      for chunk in torch.tensor_split(flat, self.num_packs)])
 
     def __repr__(self):
-        return f"NcclAllReduce(num_packs={self.num_packs})"
+        if self.compression is None:
+            return f"NcclAllReduce(num_packs={self.num_packs})"
+        return f"NcclAllReduce(num_packs={self.num_packs}, compression={self.compression!r})"
 
 
 class ReductionToOneDevice(CrossDeviceOps):

@@ -3,80 +3,85 @@ over replicas.
 
 How it works (the design DDP's reducer made standard):
 
-- Parameters are laid out in *buckets* in reverse registration order (roughly the order in
-  which backward produces their gradients), one dtype and device per bucket, each at most
+- Parameters are laid out in *buckets*, one dtype and device per bucket, each at most
   ``bucket_cap_bytes`` (25 MiB); the first bucket is small so communication starts early.
+  The first layout follows reverse registration order; after the first synchronised
+  backward the buckets are rebuilt once in the order gradients actually arrived (replica
+  0's order, broadcast, so every replica has the same buckets). Every parameter's slot
+  starts on a 16-byte boundary.
+- Gradients live *inside* their bucket: after a step each ``.grad`` is a view into the
+  bucket's flat buffer, so autograd accumulates the next step's gradient straight into the
+  bucket and the all-reduce needs no copy (DDP's ``gradient_as_bucket_view``). A gradient
+  that is not a view (the first step, ``zero_grad(set_to_none=True)``, a ``.grad`` the user
+  assigned) is copied into its slot by one fused C++ call per bucket and then replaced by
+  the view.
 - A post-accumulate-grad hook on each parameter marks it ready. When every parameter of a
-  bucket is ready, the bucket's gradients are packed into one flat buffer (one fused C++
-  call) and its all-reduce is launched asynchronously while backward goes on. Buckets are
-  launched strictly in bucket order, so every replica issues the same collectives in the
-  same order whatever order its gradients arrive in.
+  bucket is ready, its all-reduce is launched asynchronously while backward goes on.
+  Buckets are launched strictly in bucket order, so every replica issues the same
+  collectives in the same order whatever order its gradients arrive in.
 - A callback queued on the autograd engine runs when backward finishes: it launches the
-  buckets still waiting (parameters that got no gradient this step contribute zeros), waits
-  for every all-reduce, and unpacks the sums into ``.grad`` before ``backward()`` returns.
+  buckets still waiting (parameters that got no gradient this step contribute zeros),
+  waits for every all-reduce, and settles ``.grad`` before ``backward()`` returns.
+- With compression (``ts.NcclAllReduce(compression="bf16")``) a bucket is cast into a
+  half-size wire buffer by a fused kernel, all-reduced, and cast back.
 
 Each bucket carries one extra element per parameter: 1 if this replica contributed a
 gradient for it. After the all-reduce that count tells whether *any* replica did; a
 parameter no replica used keeps its ``.grad`` untouched (None stays None), exactly as
 without a strategy, and a parameter used on only some replicas gets the sum of theirs.
+When every parameter of a bucket got its gradient (the usual case) nothing is traversed.
 
 Gradient accumulation. What a ``.grad`` holds before a synchronised backward was already
 summed by the previous one (or zeroed), so it is kept as it is and only this backward's
 new gradients are summed: two synchronised ``backward()`` calls without ``zero_grad()``
 give ``g1_sum + g2_sum``, never N times the first. Under ``no_sync()`` gradients accumulate
 locally; the next synchronised backward sums everything accumulated since.
+
+The hot path is C++ (``csrc/reducer.cpp``, ``torchstrategy._C.Reducer``): the hooks,
+the bookkeeping, the launches through the c10d process group (or through a Python
+`CrossDeviceOps`' ``all_reduce_async`` when the strategy uses another algorithm) and the
+settling of gradients; Python runs once per backward, to explain collective failures.
+
+Because gradients are views, a ``.grad`` tensor kept from one step is overwritten by the
+next step's gradients (as with DDP's ``gradient_as_bucket_view``): clone it to keep it.
 """
 import contextlib
+import weakref
 
 import torch
+import torch.distributed as dist
 
 from torchstrategy import _ops
 from torchstrategy.collectives.communicator import explained_failures, hold
+from torchstrategy.collectives.cross_device_ops import NcclAllReduce
+from torchstrategy.collectives.stats import ReductionStats
 
 DEFAULT_BUCKET_CAP_BYTES = 25 * 1024 * 1024
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
+ALIGNMENT_BYTES = 16
 
 
-class _Bucket:
-    __slots__ = ("params", "offsets", "numels", "size", "dtype", "device", "flat", "ready",
-                 "pending", "work", "index")
+def aligned(elements, element_size):
+    """`elements` rounded up so that the next slot starts on a 16-byte boundary (the
+    layout rule of csrc/reducer.cpp)."""
+    step = max(1, ALIGNMENT_BYTES // element_size)
+    return -(-elements // step) * step
 
-    def __init__(self, index, dtype, device):
-        self.index = index
-        self.params = []
-        self.offsets = []
-        self.numels = []
-        self.size = 0
-        self.dtype = dtype
-        self.device = device
-        self.flat = None
-        self.ready = []
-        self.pending = 0
-        self.work = None
 
-    def add(self, param):
-        self.params.append(param)
-        self.offsets.append(self.size)
-        self.numels.append(param.numel())
-        self.size += param.numel()
-
-    def allocate(self):
-        # The trailing len(params) elements carry the "contributed" flags.
-        self.flat = torch.empty(self.size + len(self.params), dtype=self.dtype,
-                                device=self.device)
-        self.reset()
-
-    def reset(self):
-        self.ready = [False] * len(self.params)
-        self.pending = len(self.params)
-        self.work = None
+def _process_group_for_cpp(cross_device_ops, group):
+    """The c10d process group the C++ reducer launches on directly, or None when buckets
+    must go through the cross-device ops' Python ``all_reduce_async``."""
+    if type(cross_device_ops) is not NcclAllReduce or cross_device_ops.num_packs != 1:
+        return None
+    return group if group is not None else dist.distributed_c10d._get_default_group()
 
 
 class GradientReducer:
     """Sums the gradients of the registered parameters across replicas during backward.
 
     Args:
-      communicator: the strategy's `Communicator` (its cross-device ops do the all-reduce).
+      communicator: the strategy's `Communicator` (its cross-device ops do the all-reduce,
+        and their ``compression`` picks the wire dtype).
       bucket_cap_bytes: the largest bucket (25 MiB by default).
       first_bucket_bytes: the cap of the first bucket (1 MiB), so that the first all-reduce
         starts as soon as the last layers' gradients exist.
@@ -91,208 +96,102 @@ class GradientReducer:
         self._first_cap = min(int(first_bucket_bytes), self._cap)
         self._params = []          # registration order
         self._known = set()        # ids of registered parameters
-        self._slot = {}            # id(param) -> (bucket, position)
-        self._buckets = []
-        self._hooks = []
-        self._sync = True
-        # ids of the parameters that accumulated local gradients under no_sync since the
-        # last synchronised backward (per parameter: a .grad of another parameter was
-        # already summed and must not be summed again).
-        self._local_ids = set()
-        self._queued = False
-        self._next_launch = 0
-        self._stash = {}           # id(param) -> (param, .grad kept from before backward)
-        self._synced_part = {}     # id(param) -> (param, summed .grad under a no_sync sum)
-        self._any_ready = False
+        self._index = {}           # id(param) -> registration index
+        cross_device_ops = communicator.cross_device_ops
+        self._compression = getattr(cross_device_ops, "compression", None)
+        this = weakref.ref(self)   # the C++ reducer must not keep this object alive
+
+        def finalize():
+            reducer = this()
+            if reducer is not None:
+                reducer._finalize()
+
+        make = lambda process_group: _ops.make_reducer(
+            int(bucket_cap_bytes), int(first_bucket_bytes), communicator.world_size,
+            self._compression or "", process_group, cross_device_ops, communicator.group,
+            hold, finalize)
+        process_group = _process_group_for_cpp(cross_device_ops, communicator.group)
+        try:
+            self._core = make(process_group)
+        except (RuntimeError, TypeError):  # a process group C++ cannot take: via Python
+            self._core = make(None)
 
     # -- set-up -------------------------------------------------------------------------
     def add_parameters(self, params):
-        """Registers parameters (those requiring grad; duplicates ignored) and re-buckets."""
-        added = False
+        """Registers parameters (those requiring grad; duplicates ignored) and re-buckets in
+        reverse registration order. The next synchronised backward records the order
+        gradients arrive in, and the buckets are rebuilt once in that order after it."""
+        new = []
         for p in params:
             if id(p) in self._known or not p.requires_grad:
                 continue
             self._known.add(id(p))
+            self._index[id(p)] = len(self._params)
             self._params.append(p)
-            self._hooks.append(p.register_hook(self._make_pre_hook(p)))
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
-            added = True
-        if added:
-            self._rebuild_buckets()
+            new.append(p)
+        if new:
+            self._core.add_parameters(new)
+            self._core.build(list(reversed(range(len(self._params)))))
+            self._core.start_recording()
 
-    def _rebuild_buckets(self):
-        buckets, open_buckets = [], {}
-        for p in reversed(self._params):
-            key = (p.dtype, p.device)
-            bucket = open_buckets.get(key)
-            if bucket is not None:
-                cap = self._first_cap if bucket.index == 0 else self._cap
-                if (bucket.size + p.numel()) * p.element_size() > cap:
-                    bucket = None
-            if bucket is None:
-                bucket = _Bucket(len(buckets), p.dtype, p.device)
-                buckets.append(bucket)
-                open_buckets[key] = bucket
-            bucket.add(p)
-        self._slot = {}
-        for bucket in buckets:
-            bucket.allocate()
-            for position, p in enumerate(bucket.params):
-                self._slot[id(p)] = (bucket, position)
-        self._buckets = buckets
-        self._next_launch = 0
+    def _rebuild_from_arrival(self, arrival):
+        """Rebuilds the buckets in the order gradients arrived in the first synchronised
+        backward on replica 0 (broadcast: every replica must have the same buckets);
+        parameters that got no gradient follow in reverse registration order."""
+        order, seen = [], set()
+        for i in arrival:
+            if i not in seen:
+                seen.add(i)
+                order.append(i)
+        order += [i for i in reversed(range(len(self._params))) if i not in seen]
+        (order,) = self._comm.broadcast_([torch.tensor(order, dtype=torch.int64)], src=0)
+        self._core.build(order.tolist())
 
+    # -- inspection ---------------------------------------------------------------------
     @property
     def bucket_sizes(self):
         """Number of parameters in each bucket, in launch order."""
-        return [len(b.params) for b in self._buckets]
+        return self._core.bucket_sizes()
+
+    @property
+    def bucket_order(self):
+        """The registered parameters in bucket (launch) order."""
+        return [self._params[i] for i in self._core.bucket_order()]
+
+    def bucket_layout(self):
+        """Per bucket: (dtype name, slot sizes, elements of its buffer, wire dtype or "")."""
+        return self._core.bucket_layout()
+
+    def is_bucket_view(self, param):
+        """True when ``param.grad`` lives in its bucket (no copy at the next all-reduce)."""
+        return id(param) in self._index and self._core.is_bucket_view(self._index[id(param)])
+
+    def stats(self):
+        """The `ReductionStats` of the last synchronised backward."""
+        bytes_reduced, buckets, waited, steps = self._core.stats()
+        return ReductionStats(bytes_reduced=bytes_reduced, num_buckets=buckets,
+                              num_parameters=len(self._params),
+                              exposed_communication_seconds=waited,
+                              compression=self._compression, steps=steps)
 
     # -- no_sync ------------------------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside accumulate gradients locally, without communication."""
-        previous = self._sync
-        self._sync = False
+        previous = self._core.sync()
+        self._core.set_sync(False)
         try:
             yield
         finally:
-            self._sync = previous
+            self._core.set_sync(previous)
 
-    # -- hooks --------------------------------------------------------------------------
-    def _make_pre_hook(self, param):
-        def keep_previous_grad(grad):
-            # Runs before autograd adds this backward's gradient to param.grad. A gradient
-            # already there was summed by the previous synchronised backward: set it aside
-            # so that only the new gradient is summed, and add it back afterwards.
-            if param.grad is None or id(param) in self._local_ids:
-                return None
-            if self._sync:
-                self._stash[id(param)] = (param, param.grad)
-                param.grad = None
-                self._queue_finalize()
-            else:
-                # A no_sync backward is about to accumulate onto an already-summed
-                # gradient: remember that part, so the next synchronised backward sums
-                # only what was accumulated locally and adds this back once.
-                self._synced_part[id(param)] = (param, param.grad.detach().clone())
-            return None
-        return keep_previous_grad
-
-    def _queue_finalize(self):
-        if not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
-
-    def _on_grad_ready(self, param):
-        if not self._sync:
-            self._local_ids.add(id(param))
-            return
-        self._queue_finalize()
-        self._any_ready = True
-        bucket, position = self._slot[id(param)]
-        if bucket.ready[position]:
-            raise RuntimeError(
-                "A parameter received its gradient twice in one backward pass (reentrant "
-                "activation checkpointing?). Use torch.utils.checkpoint with "
-                "use_reentrant=False under a torchstrategy strategy.")
-        bucket.ready[position] = True
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            self._launch_in_order()
-
-    # -- communication ------------------------------------------------------------------
-    def _launch_in_order(self):
-        while self._next_launch < len(self._buckets) and \
-                self._buckets[self._next_launch].pending == 0:
-            self._launch(self._buckets[self._next_launch])
-            self._next_launch += 1
-
-    def _contribution(self, bucket, position):
-        param = bucket.params[position]
-        if bucket.ready[position]:
-            return param.grad
-        if id(param) in self._local_ids and param.grad is not None:
-            return param.grad  # accumulated under no_sync, not yet summed
-        return None
-
-    def _without_synced_parts(self, bucket, grads):
-        return [g - self._synced_part[id(p)][1]
-                if g is not None and id(p) in self._synced_part else g
-                for p, g in zip(bucket.params, grads)]
-
-    def _launch(self, bucket):
-        n = bucket.size
-        if bucket.pending == 0:
-            grads = [p.grad for p in bucket.params]
-            bucket.flat[n:].fill_(1)
-        else:
-            grads = [self._contribution(bucket, i) for i in range(len(bucket.params))]
-            flags = torch.tensor([0 if g is None else 1 for g in grads], dtype=bucket.dtype)
-            bucket.flat[n:].copy_(flags)
-        if self._synced_part:
-            grads = self._without_synced_parts(bucket, grads)
-        for g in grads:
-            if g is not None and g.is_sparse:
-                raise RuntimeError("Sparse gradients (nn.Embedding(sparse=True)) are not "
-                                   "supported by the gradient reducer; use dense gradients.")
-        _ops.pack(bucket.flat, grads, bucket.offsets, bucket.numels)
-        hold(bucket.flat)
-        bucket.work = self._comm.cross_device_ops.all_reduce_async(bucket.flat,
-                                                                   self._comm.group)
-
+    # -- once per backward --------------------------------------------------------------
     def _finalize(self):
         try:
-            if self._any_ready:
-                for bucket in self._buckets[self._next_launch:]:
-                    self._launch(bucket)
-                self._next_launch = len(self._buckets)
-                for bucket in self._buckets:
-                    with explained_failures("the gradient all-reduce", self._comm.rank):
-                        bucket.work.wait()
-                    self._unpack(bucket)
-                self._local_ids.clear()
-            # Gradients set aside for a backward that accumulated nothing (autograd.grad).
-            for param, kept in self._stash.values():
-                param.grad = kept if param.grad is None else param.grad + kept
+            with explained_failures("the gradient all-reduce", self._comm.rank):
+                self._core.finalize()
         finally:
-            self._stash = {}
-            self._queued = False
-            self._any_ready = False
-            self._next_launch = 0
-            for bucket in self._buckets:
-                bucket.reset()
-
-    def _kept(self, param):
-        """(param, the already-summed gradient to add back after this sum) or Nones."""
-        if id(param) in self._stash:
-            return self._stash.pop(id(param))
-        return self._synced_part.pop(id(param), (None, None))
-
-    def _unpack(self, bucket):
-        n = bucket.size
-        if all(bucket.ready):
-            grads = [p.grad for p in bucket.params]
-            _ops.unpack(bucket.flat, grads, bucket.offsets)
-            kept = [self._kept(p) for p in bucket.params
-                    if id(p) in self._stash or id(p) in self._synced_part]
-            if kept:
-                torch._foreach_add_([p.grad for p, _ in kept], [g for _, g in kept])
-            return
-        contributed = bucket.flat[n:].tolist()
-        for position, param in enumerate(bucket.params):
-            kept = self._kept(param)[1]
-            if contributed[position] <= 0:
-                if kept is not None:
-                    param.grad = kept  # no replica produced a gradient: leave it as it was
-                continue
-            start = bucket.offsets[position]
-            total = bucket.flat[start:start + bucket.numels[position]].view_as(param)
-            if bucket.ready[position] or (id(param) in self._local_ids
-                                          and param.grad is not None):
-                param.grad.copy_(total)       # .grad held this replica's contribution
-                if kept is not None:
-                    param.grad.add_(kept)
-            elif param.grad is not None:
-                param.grad.add_(total)        # .grad was already summed: add the new sum
-            else:
-                param.grad = total.clone() if kept is None else total + kept
+            self._core.reset_step()
+        arrival = self._core.take_arrival()
+        if arrival is not None:
+            self._rebuild_from_arrival(arrival)

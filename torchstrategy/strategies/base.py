@@ -13,6 +13,7 @@ import torch
 
 from torchstrategy import context, mirroring, nest, values
 from torchstrategy.collectives.reducer import GradientReducer
+from torchstrategy.collectives.stats import ReductionStats
 from torchstrategy.reduce_op import ReduceOp, as_reduce_op
 from torchstrategy.replica_context import ReplicaContext
 
@@ -111,6 +112,14 @@ class StrategyExtended:
         else:
             with self._reducer.no_sync():
                 yield
+
+    def stats(self):
+        """What the gradient reducer did in the last synchronised ``backward()``: a
+        `ReductionStats` (bytes reduced, buckets, exposed communication time, ...).
+        All zeros with one replica, where nothing is communicated."""
+        if self._reducer is None:
+            return ReductionStats(num_parameters=0)
+        return self._reducer.stats()
 
     # -- variables -----------------------------------------------------------------------
     def _check_variable(self, variable):

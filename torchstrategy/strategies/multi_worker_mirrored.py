@@ -29,6 +29,7 @@ from torchstrategy.cluster_resolver import (ClusterResolver, TFConfigClusterReso
 from torchstrategy.collectives import communicator as communicator_lib
 from torchstrategy.collectives import roll_call
 from torchstrategy.collectives.communicator import Communicator
+from torchstrategy.collectives.compression import with_compression
 from torchstrategy.collectives.cross_device_ops import as_cross_device_ops
 from torchstrategy.collectives.hierarchical import HierarchicalCopyAllReduce
 from torchstrategy.collectives.reducer import DEFAULT_BUCKET_CAP_BYTES
@@ -204,6 +205,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                             f"got {cluster_resolver!r}.")
         cross_device_ops = as_cross_device_ops(cross_device_ops)
         options = communication_options
+        cross_device_ops = with_compression(cross_device_ops, options.compression)
         timeout = world_lib.timeout_seconds(options.timeout_seconds)
         world, local = _establish_world(cluster_resolver, devices, options.implementation,
                                         timeout)
