@@ -4,7 +4,10 @@ Because the scope never wraps modules, ``model.state_dict()`` has the same keys 
 without a strategy: a checkpoint written under any strategy loads into a plain model, and
 a plain model's checkpoint loads under any strategy. Variables held by parameter servers
 (``PSVariable``, ``ShardedVariable``) are saved as their whole current value, so they load
-into any number of shards (``variable.assign(value)``) or into a plain tensor.
+into any number of shards (``variable.assign(value)``) or into a plain tensor. Under
+`ParameterServerStrategy`, ``optimizer.state_dict()`` gathers the optimizer state held by
+the parameter servers, so ``{"model": model.state_dict(), "optimizer":
+optimizer.state_dict()}`` is the checkpoint one process would write.
 """
 import os
 import tempfile

@@ -193,7 +193,9 @@ class ClusterCoordinator:
         `fn` travels by reference (define it at module level; functions of the main script
         travel by value). Modules, optimizers and variables made in the strategy's scope
         travel as references to the parameter servers; a `PerWorkerValues` becomes the
-        running worker's value.
+        running worker's value. An optimizer carries its ``param_groups`` settings as they
+        are now: the function's ``optimizer.step()`` applies them, whatever the chief
+        changes later (e.g. with an lr scheduler).
 
         Raises:
           TypeError: when `fn` or its arguments cannot be pickled (before anything runs).

@@ -13,6 +13,8 @@ _lock = threading.Lock()
 _variables = {}      # key -> tensor (an nn.Parameter when trainable)
 _optimizers = {}     # optimizer key -> torch optimizer over this server's variables
 _rows_served = {}    # key -> number of rows sent by read_rows (for checking lookups)
+_group_indices = {}  # optimizer key -> index in the user's optimizer of each local group
+_hyper_versions = {}  # optimizer key -> version of the group settings in use
 
 
 def create(key, value, trainable):
@@ -65,19 +67,33 @@ def create_optimizer(optimizer_key, optimizer_class, groups):
     """Builds ``optimizer_class`` over this server's variables.
 
     Args:
-      groups: a list of ``(keys, hyperparameters)``, one per parameter group of the
-        user's optimizer that has variables here; hyperparameters are the group's settings
-        (lr, momentum, ...) without "params".
+      groups: a list of ``(group_index, keys, hyperparameters)``, one per parameter group
+        of the user's optimizer that has variables here: the group's index in the user's
+        optimizer, the keys of its variables held here, and its settings (lr, momentum,
+        ...) without "params".
     """
     with _lock:
         if optimizer_key in _optimizers:
             return True
-        param_groups = [dict(hyper, params=[_get(k) for k in keys]) for keys, hyper in groups]
+        param_groups = [dict(hyper, params=[_get(k) for k in keys])
+                        for _, keys, hyper in groups]
         _optimizers[optimizer_key] = optimizer_class(param_groups)
+        _group_indices[optimizer_key] = [index for index, _, _ in groups]
+        _hyper_versions[optimizer_key] = 0
         return True
 
 
-def apply_gradients(optimizer_key, dense, sparse):
+def _use_hyperparameters(optimizer_key, optimizer, version, hyperparameters):
+    # Each push carries the settings in effect when its closure was scheduled (the chief
+    # bumps `version` when they change); comparing one int keeps the usual push cheap.
+    if version == _hyper_versions[optimizer_key]:
+        return
+    for group, index in zip(optimizer.param_groups, _group_indices[optimizer_key]):
+        group.update(hyperparameters[index])
+    _hyper_versions[optimizer_key] = version
+
+
+def apply_gradients(optimizer_key, dense, sparse, version=0, hyperparameters=None):
     """Applies one worker's gradients with the optimizer's ``step()``.
 
     Args:
@@ -85,9 +101,15 @@ def apply_gradients(optimizer_key, dense, sparse):
       sparse: ``{key: (rows, gradient_rows)}``: gradients of some rows only (embedding
         lookups); they are added into a zero gradient of the variable's shape, so the update
         is what the same optimizer does with a dense embedding gradient.
+      version, hyperparameters: the version of the user's param_group settings when the
+        closure was scheduled, and those settings (one dict per group of the user's
+        optimizer). The step uses them: a push from a closure scheduled after an
+        ``lr_scheduler.step()`` on the chief applies the new learning rate.
     """
     with _lock:
         optimizer = _optimizers[optimizer_key]
+        if hyperparameters is not None:
+            _use_hyperparameters(optimizer_key, optimizer, version, hyperparameters)
         touched = []
         for key, grad in dense.items():
             param = _get(key)
@@ -102,6 +124,34 @@ def apply_gradients(optimizer_key, dense, sparse):
         optimizer.step()
         for param in touched:
             param.grad = None
+    return True
+
+
+def optimizer_state(optimizer_key, keys):
+    """The optimizer's per-variable state (exp_avg, momentum_buffer, step, ...) of `keys`,
+    copied: ``{key: {name: value}}``, leaving out variables with no state yet."""
+    with _lock:
+        state = _optimizers[optimizer_key].state
+        out = {}
+        for key in keys:
+            entry = state.get(_get(key))
+            if entry:
+                out[key] = {name: value.detach().clone() if isinstance(value, torch.Tensor)
+                            else value for name, value in entry.items()}
+        return out
+
+
+def load_optimizer_state(optimizer_key, states):
+    """Replaces the optimizer's whole state on this server by `states` (``{key: {name:
+    value}}``); variables not in `states` start with no state, as after
+    ``Optimizer.load_state_dict``."""
+    with _lock:
+        optimizer = _optimizers[optimizer_key]
+        optimizer.state.clear()
+        for key, entry in states.items():
+            optimizer.state[_get(key)] = {
+                name: value.detach().clone() if isinstance(value, torch.Tensor) else value
+                for name, value in entry.items()}
     return True
 
 

@@ -6,8 +6,12 @@ round-robin, each large one split along dimension 0 into a `ShardedVariable` whe
 `variable_partitioner` says so. The chief's module keeps its own tensors as a local copy,
 refreshed from the parameter servers whenever the module runs (forward) and by
 ``model.state_dict()``; ``model.load_state_dict(...)`` sends the loaded values to the
-parameter servers. Checkpoints are therefore plain state dicts that load into any number of
-shards or into a model without a strategy.
+parameter servers. An optimizer over those parameters keeps its state on the parameter
+servers too (`optimizers.RemoteOptimizer`): ``optimizer.state_dict()`` gathers it, shards
+joined, and ``optimizer.load_state_dict(...)`` sends it back, re-split; changes to its
+``param_groups`` settings (lr schedulers) apply to the steps scheduled after them.
+Checkpoints are therefore plain ``{"model": ..., "optimizer": ...}`` state dicts that load
+into any number of shards or into a model and optimizer without a strategy.
 
 Training runs on workers through a `ClusterCoordinator`: see `coordinator` and
 docs/parameter_server.md.
@@ -21,7 +25,8 @@ import torch
 from torch.nn.modules import module as nn_module
 
 from torchstrategy import context
-from torchstrategy.parameter_server import partitioners, ps_store, remote, rpc_world, server
+from torchstrategy.parameter_server import (optimizers, partitioners, ps_store, remote,
+                                            rpc_world, server)
 from torchstrategy.parameter_server.variables import PSVariable, ShardedVariable
 from torchstrategy.strategies.base import Strategy
 from torchstrategy.variables import VariableAggregation, VariableSynchronization, _as_enum
@@ -73,7 +78,7 @@ class ParameterServerStrategyExtended:
         self._layouts = {}        # id(param tensor) -> Layout
         self._kept = []           # placed tensors, kept alive so their ids stay theirs
         self._hooked_modules = set()
-        self._optimizers = {}     # id(optimizer) -> (optimizer, reference)
+        self._optimizers = {}     # id(optimizer) -> optimizers.RemoteOptimizer
         spec = membership.spec
         self.parameter_devices = tuple(rpc_world.task_name("ps", i)
                                        for i in spec.task_indices("ps"))
@@ -227,8 +232,13 @@ class ParameterServerStrategyExtended:
     def _optimizer_reference(self, optimizer):
         with self._lock:
             known = self._optimizers.get(id(optimizer))
-        if known is not None:
-            return known[1]
+        if known is None:
+            known = self._register_optimizer(optimizer)
+        return known.reference()
+
+    def _register_optimizer(self, optimizer):
+        """On an optimizer's first schedule: builds its copies on the parameter servers
+        (see `optimizers.RemoteOptimizer`)."""
         groups = []
         for group in optimizer.param_groups:
             layouts = []
@@ -241,24 +251,14 @@ class ParameterServerStrategyExtended:
                         f"not created in strategy.scope(); create the model (and so its "
                         f"parameters) inside the scope.")
                 layouts.append(layout)
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            groups.append((tuple(layouts), hyper))
+            groups.append(layouts)
         key = f"{self._prefix}/optimizer/{next(self._counter)}"
-        per_ps = {}
-        for layouts, hyper in groups:
-            keys_by_ps = {}
-            for layout in layouts:
-                for shard in layout.shards:
-                    keys_by_ps.setdefault(shard.ps, []).append(shard.key)
-            for ps, keys in keys_by_ps.items():
-                per_ps.setdefault(ps, []).append((keys, hyper))
-        remote.wait([remote.call_async(ps, ps_store.create_optimizer,
-                                       (key, type(optimizer), ps_groups))
-                     for ps, ps_groups in per_ps.items()])
-        reference = ("optimizer", key, tuple(groups))
+        remote_optimizer = optimizers.RemoteOptimizer(optimizer, key, groups)
+        remote_optimizer.create()
         with self._lock:
-            self._optimizers[id(optimizer)] = (optimizer, reference)
-        return reference
+            # Keep the optimizer itself alive so that its id stays its own.
+            self._optimizers[id(optimizer)] = remote_optimizer
+        return remote_optimizer
 
 
 class _ChiefHook:
@@ -289,7 +289,12 @@ class ParameterServerStrategy(Strategy):
     The program runs on the chief. Modules and ``ts.Variable``s created in ``scope()`` live
     on the parameter servers; a `ClusterCoordinator` schedules training steps onto the
     workers, each of which pulls the parameters, computes gradients and pushes them; the
-    servers apply the optimizer as the gradients arrive.
+    servers apply the optimizer as the gradients arrive, with the optimizer's settings as
+    they were on the chief when the step was scheduled (so ``torch.optim.lr_scheduler``
+    works). ``model.state_dict()`` and ``optimizer.state_dict()`` on the chief return the
+    servers' current values and optimizer state in the format of one process (sharded
+    tensors joined along dimension 0); their ``load_state_dict`` sends values and state to
+    the servers, split into the current shards.
 
     Args:
       cluster_resolver: a `ClusterResolver` for a cluster with a "chief", "worker"s and

@@ -6,7 +6,8 @@ function runs, refreshes every one the closure uses with a single fetch per para
 server. Embedding tables (``nn.Embedding`` weights placed on parameter servers) are not
 fetched whole: an ``nn.Embedding`` arrives as a `WorkerEmbedding`, whose forward fetches
 only the rows it looks up and whose backward records gradients for those rows only. ``optimizer.step()`` inside the function pushes the
-gradients (`WorkerOptimizer`); the parameter servers apply them with the real optimizer.
+gradients (`WorkerOptimizer`) with the optimizer's settings as they were when the function
+was scheduled; the parameter servers apply them with the real optimizer.
 
 The result goes back as ``("ok", value)`` or ``("error", kind, exception, traceback)``, so
 the coordinator can tell a failing function from a failing worker.
@@ -56,11 +57,13 @@ class WorkerOptimizer:
     local gradients as torch's does.
     """
 
-    def __init__(self, optimizer_key, groups):
+    def __init__(self, optimizer_key, groups, version, hyperparameters):
         self._key = optimizer_key
+        self._version = version
+        self._hyperparameters = hyperparameters
         self.param_groups = [dict(hyper, params=[_local_param(l) for l in layouts])
-                             for layouts, hyper in groups]
-        self._layouts = [l for layouts, _ in groups for l in layouts]
+                             for layouts, hyper in zip(groups, hyperparameters)]
+        self._layouts = [l for layouts in groups for l in layouts]
 
     def zero_grad(self, set_to_none=True):
         for layout in self._layouts:
@@ -96,7 +99,8 @@ class WorkerOptimizer:
                         entry[shard.key] = (local_ids, grads)
         servers = sorted(set(dense) | set(sparse))
         remote.wait([remote.call_async(ps, ps_store.apply_gradients,
-                                       (self._key, dense.get(ps, {}), sparse.get(ps, {})))
+                                       (self._key, dense.get(ps, {}), sparse.get(ps, {}),
+                                        self._version, self._hyperparameters))
                      for ps in servers])
         return loss
 
@@ -158,11 +162,11 @@ def _load_reference(ref):
         _state.used[layout.key] = layout
         return param
     if kind == "optimizer":
-        _, key, groups = ref
-        for layouts, _ in groups:
+        _, key, groups, version, hyperparameters = ref
+        for layouts in groups:
             for layout in layouts:
                 _state.used[layout.key] = layout
-        optimizer = WorkerOptimizer(key, groups)
+        optimizer = WorkerOptimizer(key, groups, version, hyperparameters)
         return optimizer
     if kind == "per_worker":
         key = ref[1]
