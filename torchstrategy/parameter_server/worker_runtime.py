@@ -142,8 +142,11 @@ class WorkerEmbedding(torch.nn.Embedding):
         if layout is None or not layout.embedding:
             return super().forward(input)
         if self.max_norm is not None:
-            raise NotImplementedError("nn.Embedding(max_norm=...) is not supported for a "
-                                      "table held by parameter servers.")
+            # Renormalising in place would write rows back to the servers outside the
+            # optimizer: refuse it rather than let workers' copies drift from the table.
+            raise ValueError("nn.Embedding(max_norm=...) is not supported for a table held by "
+                             "parameter servers; drop max_norm (or clip the looked-up rows in "
+                             "the step, e.g. torch.renorm on the output).")
         out = _RowLookup.apply(self.weight, input, layout)
         if self.padding_idx is not None:
             out = out * (input != self.padding_idx).unsqueeze(-1).to(out.dtype)
