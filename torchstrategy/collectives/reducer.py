@@ -57,6 +57,22 @@ from torchstrategy.collectives.cross_device_ops import NcclAllReduce
 from torchstrategy.collectives.stats import ReductionStats
 
 DEFAULT_BUCKET_CAP_BYTES = 25 * 1024 * 1024
+
+# Every live reducer, so that `close_all` can let go of the process group at exit.
+_live = weakref.WeakSet()
+
+
+def close_all():
+    """Drops every reducer's C++ core (and with it its reference to the process group).
+
+    Called before the process group is destroyed at exit: the group must be destroyed by
+    the main thread while the interpreter is whole. A C++ core still holding it would keep
+    the group alive into the interpreter's teardown, where gloo's threads can abort the
+    process ("terminate called without an active exception"). A closed reducer's hooks
+    do nothing (they hold only a weak reference to the core).
+    """
+    for reducer in list(_live):
+        reducer._core = None
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
 ALIGNMENT_BYTES = 16
 
@@ -92,6 +108,7 @@ class GradientReducer:
         if bucket_cap_bytes <= 0:
             raise ValueError(f"bucket_cap_bytes must be positive, got {bucket_cap_bytes}.")
         self._comm = communicator
+        _live.add(self)
         self._cap = int(bucket_cap_bytes)
         self._first_cap = min(int(first_bucket_bytes), self._cap)
         self._params = []          # registration order

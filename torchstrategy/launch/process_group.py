@@ -57,8 +57,10 @@ def ensure_process_group(world, backend, timeout_seconds):
 def release_process_group():
     """Destroys the default process group if there is one (idempotent), once the backend
     has let go of every buffer our collectives gave it."""
+    from torchstrategy.collectives import reducer
     from torchstrategy.collectives.communicator import wait_until_released
 
     wait_until_released()
+    reducer.close_all()
     if dist.is_initialized():
         dist.destroy_process_group()

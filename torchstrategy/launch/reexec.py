@@ -181,6 +181,9 @@ class _Supervisor:
                         time.monotonic() - start > _EXIT_WAIT_BEFORE_RELEASE_SECONDS:
                     released = True
                     if dist.is_initialized():
+                        from torchstrategy.collectives import reducer
+
+                        reducer.close_all()  # see close_all: the group dies here, whole
                         dist.destroy_process_group()
                 time.sleep(_POLL_SECONDS)
         except KeyboardInterrupt:
