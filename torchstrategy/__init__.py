@@ -29,7 +29,9 @@ from torchstrategy.launch.spawn import launch
 from torchstrategy.losses import compute_average_loss, scale_regularization_loss
 from torchstrategy.reduce_op import ReduceOp
 from torchstrategy.replica_context import ReplicaContext
+from torchstrategy.run_options import RunOptions
 from torchstrategy.strategies.base import Strategy, StrategyExtended
+from torchstrategy.strategies import default as _default_strategy  # registers itself
 from torchstrategy.strategies.central_storage import CentralStorageStrategy
 from torchstrategy.strategies.mirrored import MirroredStrategy
 from torchstrategy.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
@@ -74,6 +76,7 @@ __all__ = [  # one name a line, sorted: adding a name touches one line
     "ReduceOp",
     "ReductionToOneDevice",
     "ReplicaContext",
+    "RunOptions",
     "Server",
     "SimpleClusterResolver",
     "Strategy",

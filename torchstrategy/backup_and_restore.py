@@ -31,6 +31,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+from torchstrategy.input.distributed_dataset import DistributedDataset
+
 _FILE = "backup.pt"
 
 
@@ -266,8 +268,6 @@ class BackupAndRestore:
 
     @staticmethod
     def _positioned_iterator(data, epoch, start_step):
-        from torchstrategy.input.distributed_dataset import DistributedDataset
-
         if isinstance(data, DistributedDataset):
             data.set_epoch(epoch, start_step)
             return iter(data)  # skips the first start_step steps now

@@ -30,6 +30,9 @@ class _ProcessGroupFacts:
             else torch.device("cpu")
         self.communicator = self
 
+    def host_copy(self, obj):
+        return obj
+
     def barrier(self):
         if self.torch_device.type == "cuda":
             dist.barrier(device_ids=[self.torch_device.index])
@@ -55,8 +58,7 @@ def save(obj, path):
     timeout).
     """
     ext, writer = _strategy_facts()
-    if hasattr(ext, "host_copy"):  # TPUStrategy: write host tensors, loadable without torch_xla
-        obj = ext.host_copy(obj)
+    obj = ext.host_copy(obj)  # TPUStrategy: host tensors, loadable without torch_xla
     error = None
     if writer:
         obj = _current_values(obj)

@@ -11,11 +11,41 @@ The rules are TensorFlow's:
 - Inside ``strategy.run(fn)`` the code runs in a replica context of that strategy.
 
 The state is per thread, so strategies that run replicas in threads see their own context.
+
+This module knows no strategy class: the default strategy registers a factory for itself
+(`register_default_strategy`) when its module is imported, and ``import torchstrategy``
+imports it. The stacks below are the only state here; they are bookkeeping of which object
+is active, not distributed state (that belongs to `torchstrategy.runtime`).
 """
 import contextlib
 import threading
 
-_state = threading.local()
+_state = threading.local()  # .stack: this thread's list of _Entry, bottom = the default
+
+
+class _DefaultStrategyRegistry:
+    """Where the default strategy's module leaves the factory that makes it (once)."""
+
+    def __init__(self):
+        self.factory = None
+        self.is_default = lambda strategy: False
+
+
+_registry = _DefaultStrategyRegistry()
+
+
+def register_default_strategy(factory, is_default):
+    """Called by `torchstrategy.strategies.default` at import: `factory()` returns the
+    process-wide default strategy, `is_default(strategy)` tells it apart."""
+    _registry.factory = factory
+    _registry.is_default = is_default
+
+
+def _default_strategy():
+    if _registry.factory is None:
+        raise RuntimeError("torchstrategy's default strategy is not registered: import "
+                           "torchstrategy (not only torchstrategy.context).")
+    return _registry.factory()
 
 
 class _Entry:
@@ -29,10 +59,8 @@ class _Entry:
 def _stack():
     stack = getattr(_state, "stack", None)
     if stack is None:
-        from torchstrategy.strategies.default import default_strategy
-
-        strategy = default_strategy()
-        stack = [_Entry(strategy, strategy.extended._default_replica_context())]
+        strategy = _default_strategy()
+        stack = [_Entry(strategy, strategy.extended.default_replica_context())]
         _state.stack = stack
     return stack
 
@@ -60,9 +88,7 @@ def get_strategy():
 
 def has_strategy():
     """True when a strategy other than the default one is active."""
-    from torchstrategy.strategies.default import is_default
-
-    return not is_default(_top().strategy)
+    return not _registry.is_default(_top().strategy)
 
 
 def in_cross_replica_context():
@@ -95,9 +121,7 @@ def in_run():
 
 def active_non_default_strategy():
     """The innermost non-default strategy active in this thread, or None."""
-    from torchstrategy.strategies.default import is_default
-
     for entry in reversed(_stack()):
-        if not is_default(entry.strategy):
+        if not _registry.is_default(entry.strategy):
             return entry.strategy
     return None

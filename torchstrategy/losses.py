@@ -65,7 +65,7 @@ def scale_regularization_loss(regularization_loss):
 
 
 def _traces_global_batch():
-    return getattr(context.get_strategy().extended, "traces_global_batch", False)
+    return context.get_strategy().extended.traces_global_batch
 
 
 def _num_replicas():

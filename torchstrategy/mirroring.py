@@ -4,16 +4,11 @@ Inside ``strategy.scope()`` every parameter and buffer registered on any ``nn.Mo
 recorded as mirrored, through torch's global module registration hooks. Nothing is wrapped
 or replaced: the user's modules and their ``state_dict()`` keys stay exactly as they are.
 """
-import threading
 import weakref
 
-import torch
 from torch.nn.modules import module as nn_module
 
-from torchstrategy import context
-
-_install_lock = threading.Lock()
-_installed = False
+from torchstrategy import _compat, context, runtime
 
 
 def _capturing_strategy():
@@ -26,26 +21,27 @@ def _capturing_strategy():
 def _on_parameter(module, name, param):
     strategy = _capturing_strategy()
     if strategy is not None and param is not None:
-        strategy.extended._mirrored.add_parameter(param)
+        strategy.extended.record_parameter(module, name, param)
     return None
 
 
 def _on_buffer(module, name, buffer):
     strategy = _capturing_strategy()
     if strategy is not None and buffer is not None:
-        strategy.extended._mirrored.add_buffer(module, name)
+        strategy.extended.record_buffer(module, name)
     return None
 
 
+def _install_hooks():
+    nn_module.register_module_parameter_registration_hook(_on_parameter)
+    nn_module.register_module_buffer_registration_hook(_on_buffer)
+
+
 def install_capture():
-    """Installs the global registration hooks once per process (they are cheap no-ops
-    outside a scope)."""
-    global _installed
-    with _install_lock:
-        if not _installed:
-            nn_module.register_module_parameter_registration_hook(_on_parameter)
-            nn_module.register_module_buffer_registration_hook(_on_buffer)
-            _installed = True
+    """Installs torch's global registration hooks once per process (on the first
+    ``scope()``, never at import); outside a scope they are cheap no-ops. Each records into
+    the active strategy's ``extended.record_parameter`` / ``record_buffer``."""
+    runtime.current().install_once("module-registration-hooks", _install_hooks)
 
 
 class MirroredState:
@@ -62,6 +58,10 @@ class MirroredState:
         self._buffer_keys = set()
         self._pending = []        # callables returning the tensor to broadcast
 
+    def is_parameter(self, tensor):
+        """True for a recorded parameter (or trainable variable tensor)."""
+        return id(tensor) in self._param_ids
+
     def add_parameter(self, param):
         if id(param) in self._param_ids:
             return
@@ -76,7 +76,8 @@ class MirroredState:
         self._buffer_keys.add(key)
         ref = weakref.ref(module)
         self._buffers.append((ref, name))
-        self._pending.append(lambda r=ref, n=name: None if r() is None else r()._buffers.get(n))
+        self._pending.append(lambda r=ref, n=name: None if r() is None
+                             else _compat.module_buffer(r(), n))
 
     def add_tensor(self, tensor, trainable):
         """A variable's tensor: broadcast like the rest; trainable ones get gradient sync."""
@@ -95,7 +96,7 @@ class MirroredState:
         for ref, name in self._buffers:
             module = ref()
             if module is not None:
-                tensor = module._buffers.get(name)
+                tensor = _compat.module_buffer(module, name)
                 if tensor is not None:
                     out.append(tensor)
         return out

@@ -4,22 +4,22 @@ Built on torch.utils._pytree, the structure library torch itself uses, so every 
 torch knows (including user-registered ones) works here too.
 """
 import torch
-from torch.utils import _pytree as pytree
+from torchstrategy import _compat
 
 
 def flatten(structure):
     """Returns ``(leaves, spec)``; `pack(spec, leaves)` rebuilds the structure."""
-    return pytree.tree_flatten(structure)
+    return _compat.tree_flatten(structure)
 
 
 def pack(spec, leaves):
     """Inverse of `flatten`."""
-    return pytree.tree_unflatten(list(leaves), spec)
+    return _compat.tree_unflatten(list(leaves), spec)
 
 
 def map_structure(fn, structure):
     """Applies `fn` to every leaf, keeping the structure."""
-    return pytree.tree_map(fn, structure)
+    return _compat.tree_map(fn, structure)
 
 
 def tensor_leaves(structure, what):

@@ -1,6 +1,8 @@
 """`ReduceOp`: how values from several replicas are combined, as in tf.distribute."""
 import enum
 
+from torchstrategy.aggregation import VariableAggregation
+
 
 class ReduceOp(enum.Enum):
     """How per-replica values are combined: ``SUM`` or ``MEAN``.
@@ -15,8 +17,6 @@ class ReduceOp(enum.Enum):
     @staticmethod
     def from_variable_aggregation(aggregation):
         """The reduce op matching a `VariableAggregation` (SUM or MEAN), as TensorFlow maps it."""
-        from torchstrategy.variables import VariableAggregation
-
         mapping = {VariableAggregation.SUM: ReduceOp.SUM, VariableAggregation.MEAN: ReduceOp.MEAN}
         if aggregation not in mapping:
             raise ValueError(f"Could not convert from `VariableAggregation` {aggregation} to "

@@ -41,14 +41,17 @@ class ReplicaContext:
         """Reduces `value` (a tensor or nested structure of tensors) across replicas and
         returns the result, identical on every replica, on this replica's device.
 
-        All tensors of a structure travel in one fused collective per dtype.
+        All tensors of a structure travel in one fused collective per dtype. `options`, a
+        `ts.CommunicationOptions`, is honoured or refused by the strategy (see
+        ``StrategyExtended.batch_reduce_to``).
         """
-        return self._strategy.extended._all_reduce_local(reduce_op, value)
+        return self._strategy.extended.replica_all_reduce(reduce_op, value, options)
 
     def all_gather(self, value, axis, options=None):
         """Concatenates `value` (tensor or structure) from every replica along `axis`, in
-        replica order. Sizes along `axis` may differ between replicas."""
-        return self._strategy.extended._all_gather_local(value, axis)
+        replica order. Sizes along `axis` may differ between replicas. `options` as in
+        `all_reduce`."""
+        return self._strategy.extended.replica_all_gather(value, axis, options)
 
     def merge_call(self, merge_fn, args=(), kwargs=None):
         """Calls ``merge_fn(strategy, *args, **kwargs)`` in cross-replica context.

@@ -9,41 +9,12 @@ A variable wraps a torch tensor (`tensor`; an ``nn.Parameter`` when trainable, s
 handed to an optimizer and gets its gradient summed like any mirrored parameter). Torch
 functions and Python operators accept a variable wherever they accept a tensor.
 """
-import enum
-
 import torch
 
-from torchstrategy import context
+from torchstrategy import _compat, context
+from torchstrategy.aggregation import (VariableAggregation, VariableSynchronization,
+                                      as_enum as _as_enum)
 from torchstrategy.reduce_op import ReduceOp
-
-
-class VariableAggregation(enum.Enum):
-    """How updates made in replica context are combined: NONE (each replica keeps its own
-    update), SUM, MEAN, ONLY_FIRST_REPLICA (replica 0's update is applied everywhere)."""
-
-    NONE = "NONE"
-    SUM = "SUM"
-    MEAN = "MEAN"
-    ONLY_FIRST_REPLICA = "ONLY_FIRST_REPLICA"
-
-
-class VariableSynchronization(enum.Enum):
-    """When copies are synchronised: AUTO/ON_WRITE (mirrored: at every update), ON_READ
-    (when read in cross-replica context), NONE (never: a per-replica variable)."""
-
-    AUTO = "AUTO"
-    NONE = "NONE"
-    ON_WRITE = "ON_WRITE"
-    ON_READ = "ON_READ"
-
-
-def _as_enum(kind, value, name):
-    if isinstance(value, kind):
-        return value
-    if isinstance(value, str) and value.upper() in kind.__members__:
-        return kind[value.upper()]
-    raise ValueError(f"Unknown {name} {value!r}: use one of "
-                     f"{', '.join('ts.' + kind.__name__ + '.' + m for m in kind.__members__)}.")
 
 
 def _in_replica_context_of(strategy):
@@ -69,9 +40,9 @@ class Variable:
     def __new__(cls, *args, **kwargs):
         if cls is Variable:
             # A strategy that keeps variables elsewhere (ParameterServerStrategy) makes them.
-            create = getattr(context.get_strategy().extended, "_create_variable", None)
-            if create is not None:
-                return create(*args, **kwargs)
+            made = context.get_strategy().extended.create_variable(*args, **kwargs)
+            if made is not None:
+                return made
             sync = kwargs.get("synchronization", VariableSynchronization.AUTO)
             sync = _as_enum(VariableSynchronization, sync, "synchronization")
             cls = SyncOnReadVariable if sync is VariableSynchronization.ON_READ \
@@ -96,9 +67,9 @@ class Variable:
         self._tensor = torch.nn.Parameter(value, requires_grad=True) if self._trainable \
             else value
         self._name = name or "Variable"
-        self._strategy.extended._check_variable(self)
+        self._strategy.extended.check_variable(self)
         if context.has_strategy():
-            self._strategy.extended._mirrored.add_tensor(self._tensor, self._trainable)
+            self._strategy.extended.record_variable(self)
 
     def _check(self, trainable):
         pass
@@ -149,7 +120,7 @@ class Variable:
 
     # -- writing -------------------------------------------------------------------------
     def _write(self, new_value):
-        self._strategy.extended._write_variable(self, new_value)
+        self._strategy.extended.write_variable(self, new_value)
         return self
 
     def assign(self, value):
@@ -166,8 +137,8 @@ class Variable:
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         def unwrap(x):
             return x.read_value() if isinstance(x, Variable) else x
-        args = torch.utils._pytree.tree_map(unwrap, args)
-        kwargs = torch.utils._pytree.tree_map(unwrap, kwargs or {})
+        args = _compat.tree_map(unwrap, args)
+        kwargs = _compat.tree_map(unwrap, kwargs or {})
         return func(*args, **kwargs)
 
     def __array__(self, dtype=None):

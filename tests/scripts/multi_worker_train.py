@@ -5,7 +5,7 @@ TF_CONFIG (then REPLICAS is the number of CPU replicas on this machine). Each re
 ``OUTDIR/<mode>-rank<R>.pt``.
 
 MODE:
-  train       the core equivalence training (tests/test_core_equivalence.py's model and
+  train       the core equivalence training (tests/core/test_equivalence.py's model and
               data, SGD with momentum) under MultiWorkerMirroredStrategy, once with the
               default all-reduce and once with HierarchicalCopyAllReduce, plus explicit
               sums through the hierarchical op; records the strategy's facts.
@@ -24,9 +24,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import torchstrategy as ts  # noqa: E402
-from test_core_equivalence import l2_term, make_data, make_model  # noqa: E402
+from tests.core.test_equivalence import l2_term, make_data, make_model  # noqa: E402
 
 mode, outdir = sys.argv[1], sys.argv[2]
 devices = [f"cpu:{i}" for i in range(int(sys.argv[3]))] if len(sys.argv) > 3 else None

@@ -9,43 +9,17 @@ With one replica every operation is local and issues no collective.
 """
 import collections
 import contextlib
+import datetime
 import math
-import threading
-import time
 
 import torch
 import torch.distributed as dist
 
-from torchstrategy import _ops
+from torchstrategy import _ops, runtime
+from torchstrategy.collectives.cross_device_ops import wait_for
+from torchstrategy.communication_options import (CommunicationImplementation,
+                                                 CommunicationOptions)
 from torchstrategy.reduce_op import ReduceOp, as_reduce_op
-
-
-# Buffers handed to collectives stay referenced from Python until the backend has let go
-# of them. gloo's worker thread drops its reference to a finished collective a moment
-# after wait() returns; if Python had already dropped the buffer, that last release needs
-# the GIL from the worker thread, which aborts the process ("terminate called without an
-# active exception") when it happens during interpreter shutdown.
-_held = []
-_held_lock = threading.Lock()
-
-
-def hold(*buffers):
-    """Keeps `buffers` referenced until no collective uses them any more."""
-    with _held_lock:
-        _held[:] = [b for b in _held if b._use_count() > 1]
-        _held.extend(buffers)
-
-
-def wait_until_released(timeout_seconds=10.0):
-    """Waits (bounded) until the backend has released every held buffer."""
-    deadline = time.monotonic() + timeout_seconds
-    while time.monotonic() < deadline:
-        with _held_lock:
-            _held[:] = [b for b in _held if b._use_count() > 1]
-            if not _held:
-                return True
-        time.sleep(0.001)
-    return False
 
 
 class CollectiveError(RuntimeError):
@@ -53,15 +27,18 @@ class CollectiveError(RuntimeError):
     collectives. Raised instead of waiting forever."""
 
 
-# Set by strategies that can name the replica behind a failure (the multi-worker strategy):
-# a function (rank) -> one sentence appended to every `CollectiveError`.
-failure_diagnosis = None
+def hold(*buffers):
+    """Keeps `buffers` referenced until no collective uses them any more (the runtime owns
+    them: see `torchstrategy.runtime.Runtime.hold`)."""
+    runtime.current().hold(*buffers)
 
 
 @contextlib.contextmanager
-def explained_failures(what, rank):
+def explained_failures(what, rank, diagnose=None):
     """Re-raises a backend failure inside the block as a `CollectiveError` that says what
-    was being done and what usually causes it (the backend's text is kept)."""
+    was being done and what usually causes it (the backend's text is kept). `diagnose`,
+    if given, is called with `rank` and returns one more sentence (e.g. naming the replicas
+    that stopped answering)."""
     try:
         yield
     except CollectiveError:
@@ -77,8 +54,8 @@ def explained_failures(what, rank):
         else:
             raise
         diagnosis = ""
-        if failure_diagnosis is not None:
-            diagnosis = failure_diagnosis(rank) + " "
+        if diagnose is not None:
+            diagnosis = diagnose(rank) + " "
         raise CollectiveError(f"torchstrategy: {what} on replica {rank} {cause}. {diagnosis}"
                               f"Backend: {text.splitlines()[0][:300]}") from error
 
@@ -99,6 +76,26 @@ def _by_dtype(tensors):
     return groups
 
 
+def _packs(tensors, bytes_per_pack):
+    """Indices of `tensors` in packs of one dtype each and, when `bytes_per_pack` > 0, at
+    most that many bytes (a larger tensor travels alone)."""
+    packs = []
+    for indices in _by_dtype(tensors).values():
+        if not bytes_per_pack:
+            packs.append(indices)
+            continue
+        current, size = [], 0
+        for i in indices:
+            nbytes = tensors[i].numel() * tensors[i].element_size()
+            if current and size + nbytes > bytes_per_pack:
+                packs.append(current)
+                current, size = [], 0
+            current.append(i)
+            size += nbytes
+        packs.append(current)
+    return packs
+
+
 class Communicator:
     """Collectives among the replicas of one strategy.
 
@@ -107,26 +104,77 @@ class Communicator:
       rank / world_size: this replica's id and the number of replicas.
       device: the device buffers are reduced on (the replica's device).
       cross_device_ops: the all-reduce algorithm (a `CrossDeviceOps`).
+      diagnose: optional ``diagnose(rank) -> str``, one sentence added to every
+        `CollectiveError` (the multi-worker strategy names the replicas that stopped
+        answering).
     """
 
-    def __init__(self, group, rank, world_size, device, cross_device_ops):
+    def __init__(self, group, rank, world_size, device, cross_device_ops, diagnose=None):
+        self.diagnose = diagnose
         self.group = group
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.cross_device_ops = cross_device_ops
 
+    def _explained(self, what):
+        return explained_failures(what, self.rank, self.diagnose)
+
+    @property
+    def backend(self):
+        """"nccl" for CUDA replicas, "gloo" otherwise (the process group's backend)."""
+        return "nccl" if self.device is not None and self.device.type == "cuda" else "gloo"
+
+    def resolve_options(self, options):
+        """(timeout as a timedelta or None, bytes per pack or 0) from a collective's
+        `options` (a `ts.CommunicationOptions` or None), refusing what cannot be honoured.
+
+        Honoured: ``timeout_seconds`` (this collective fails after it instead of the
+        strategy's timeout), ``bytes_per_pack`` (tensors travel in packs of at most that many
+        bytes), ``implementation`` AUTO or the one this strategy's group uses.
+
+        Raises:
+          TypeError: `options` is not a CommunicationOptions.
+          ValueError: an implementation or compression this strategy's group does not use.
+        """
+        if options is None:
+            return None, 0
+        if not isinstance(options, CommunicationOptions):
+            raise TypeError(f"options must be a ts.CommunicationOptions (or None), got "
+                            f"{options!r}.")
+        wanted = options.implementation
+        used = CommunicationImplementation.NCCL if self.backend == "nccl" else \
+            CommunicationImplementation.RING
+        if wanted is not CommunicationImplementation.AUTO and wanted is not used:
+            raise ValueError(
+                f"CommunicationOptions(implementation={wanted.name}) cannot be honoured here: "
+                f"this strategy's replicas communicate with {used.name} ({self.backend}), "
+                "chosen when the strategy was created. Use AUTO (or "
+                f"{used.name}) per call, or create the strategy with the implementation "
+                "you want.")
+        strategy_compression = getattr(self.cross_device_ops, "compression", None)
+        if options.compression is not None and options.compression != strategy_compression:
+            raise ValueError(
+                f"CommunicationOptions(compression={options.compression!r}) applies to "
+                "gradient buckets and is set when the strategy is created "
+                "(ts.NcclAllReduce(compression=...) or the multi-worker strategy's "
+                "communication_options); values reduced explicitly travel uncompressed.")
+        timeout = None if options.timeout_seconds is None else \
+            datetime.timedelta(seconds=float(options.timeout_seconds))
+        return timeout, options.bytes_per_pack
+
     # -- all-reduce -------------------------------------------------------------------
-    def all_reduce(self, tensors, op, inplace=False):
+    def all_reduce(self, tensors, op, inplace=False, options=None):
         """Reduces each tensor across replicas; returns the results in the input order.
 
         With `inplace` the results are written into the given tensors (which are returned).
-        Results have the input's dtype and device.
+        Results have the input's dtype and device. `options`: see `resolve_options`.
 
         Raises:
           ValueError: MEAN of integer or bool tensors (cast to a floating type first).
         """
         op = as_reduce_op(op)
+        timeout, bytes_per_pack = self.resolve_options(options)
         tensors = list(tensors)
         if op is ReduceOp.MEAN:
             for t in tensors:
@@ -138,8 +186,9 @@ class Communicator:
         scale = 1.0 / self.world_size if op is ReduceOp.MEAN else 1.0
         results = list(tensors) if inplace else [None] * len(tensors)
         pending = []
-        for dtype, indices in _by_dtype(tensors).items():
+        for indices in _packs(tensors, bytes_per_pack):
             members = [tensors[i] for i in indices]
+            dtype = members[0].dtype
             offsets, numels, total = _layout(members)
             wire_dtype = torch.int32 if dtype == torch.bool else dtype
             flat = torch.empty(total, dtype=wire_dtype, device=self.device)
@@ -148,8 +197,8 @@ class Communicator:
                             self.cross_device_ops.all_reduce_async(flat, self.group)))
         hold(*[p[3] for p in pending])
         for indices, members, offsets, flat, work in pending:
-            with explained_failures("all_reduce", self.rank):
-                work.wait()
+            with self._explained("all_reduce"):
+                wait_for(work, timeout)
             if flat.dtype != members[0].dtype:  # bool travelled as int32: SUM means "any"
                 flat = flat.ne(0)
             outputs = members if inplace else [torch.empty_like(t) for t in members]
@@ -172,7 +221,7 @@ class Communicator:
                 if self.rank == src:
                     _ops.pack(flat, members, offsets, numels)
                 hold(flat)
-                with explained_failures("broadcast", self.rank):
+                with self._explained("broadcast"):
                     dist.broadcast(flat, src=src, group=self.group)
                 if self.rank != src:
                     _ops.unpack(flat, members, offsets)
@@ -183,22 +232,25 @@ class Communicator:
         if self.world_size == 1:
             return obj
         box = [obj if self.rank == src else None]
-        with explained_failures("broadcast", self.rank):
+        with self._explained("broadcast"):
             dist.broadcast_object_list(box, src=src, group=self.group,
                                        device=self.device if self.device.type == "cuda"
                                        else None)
         return box[0]
 
     # -- all-gather -------------------------------------------------------------------
-    def all_gather(self, tensors, axis):
+    def all_gather(self, tensors, axis, options=None):
         """Concatenates each tensor from every replica along `axis`, in replica order.
 
         Sizes along `axis` may differ between replicas; every other dimension must agree.
+        `options`: see `resolve_options` (``bytes_per_pack`` does not apply: each dtype is
+        gathered in one collective).
 
         Raises:
           ValueError: a scalar tensor, an axis out of range, or shapes that disagree
             between replicas outside `axis`.
         """
+        timeout, _ = self.resolve_options(options)
         tensors = list(tensors)
         moved = []
         for index, t in enumerate(tensors):
@@ -239,8 +291,9 @@ class Communicator:
             _ops.pack(flat, members, offsets, numels)
             gathered = [torch.empty_like(flat) for _ in range(self.world_size)]
             hold(flat, *gathered)
-            with explained_failures("all_gather", self.rank):
-                dist.all_gather(gathered, flat, group=self.group)
+            with self._explained("all_gather"):
+                wait_for(dist.all_gather(gathered, flat, group=self.group, async_op=True),
+                         timeout)
             for k, i in enumerate(indices):
                 parts = []
                 for r in range(self.world_size):
@@ -256,14 +309,14 @@ class Communicator:
         out = [torch.empty(width, dtype=row.dtype, device=self.device)
                for _ in range(self.world_size)]
         hold(row, *out)
-        with explained_failures("all_gather", self.rank):
+        with self._explained("all_gather"):
             dist.all_gather(out, row, group=self.group)
         return torch.stack(out).cpu()
 
     def barrier(self):
         """Waits until every replica has reached this point (bounded by the timeout)."""
         if self.world_size > 1:
-            with explained_failures("barrier", self.rank):
+            with self._explained("barrier"):
                 if self.device.type == "cuda":
                     dist.barrier(group=self.group, device_ids=[self.device.index])
                 else:

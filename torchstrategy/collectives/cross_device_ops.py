@@ -10,10 +10,16 @@ import torch.distributed as dist
 from torchstrategy.collectives.compression import check_compression
 
 
+def wait_for(work, timeout=None):
+    """``work.wait()``, bounded by `timeout` (a timedelta) when one is given; otherwise by
+    the process group's own timeout."""
+    return work.wait() if timeout is None else work.wait(timeout)
+
+
 class _Done:
     """A finished handle (world size 1)."""
 
-    def wait(self):
+    def wait(self, timeout=None):
         return True
 
 
@@ -24,9 +30,9 @@ class _Chain:
         self._first = first
         self._then = then
 
-    def wait(self):
-        self._first.wait()
-        self._then().wait()
+    def wait(self, timeout=None):
+        wait_for(self._first, timeout)
+        wait_for(self._then(), timeout)
         return True
 
 
@@ -34,9 +40,9 @@ class _All:
     def __init__(self, works):
         self._works = works
 
-    def wait(self):
+    def wait(self, timeout=None):
         for work in self._works:
-            work.wait()
+            wait_for(work, timeout)
         return True
 
 
@@ -94,10 +100,29 @@ class NcclAllReduce(CrossDeviceOps):
 
 
 class ReductionToOneDevice(CrossDeviceOps):
-    """Reduce onto replica `reduce_to_replica` (0), then broadcast from it."""
+    """Reduce onto replica `reduce_to_replica` (0), then broadcast from it.
+
+    Args:
+      reduce_to_device: must be None. In TensorFlow it names the device one process reduces
+        on; here every replica is its own process, so the reduction happens on replica
+        `reduce_to_replica`'s device: pick it with that argument.
+      reduce_to_replica: the replica that receives the sum and broadcasts it.
+
+    Raises:
+      ValueError: a `reduce_to_device`, or a negative `reduce_to_replica`.
+    """
 
     def __init__(self, reduce_to_device=None, reduce_to_replica=0):
-        self.reduce_to_device = reduce_to_device
+        if reduce_to_device is not None:
+            raise ValueError(
+                f"ReductionToOneDevice(reduce_to_device={reduce_to_device!r}) is not "
+                "supported: each replica is its own process, so the sum is formed on one "
+                "replica's device. Use ReductionToOneDevice(reduce_to_replica=N) instead.")
+        if isinstance(reduce_to_replica, bool) or not isinstance(reduce_to_replica, int) \
+                or reduce_to_replica < 0:
+            raise ValueError(f"reduce_to_replica must be a replica id (int >= 0), got "
+                             f"{reduce_to_replica!r}.")
+        self.reduce_to_device = None
         self.reduce_to_replica = reduce_to_replica
 
     def all_reduce_async(self, flat, group):

@@ -14,13 +14,13 @@ every replica, when the multi-worker strategy is created (`create_groups`). Unti
 whenever the layout has a single machine (or one replica per machine), the op is a plain
 all-reduce over the group it is given.
 """
-import atexit
 import datetime
 
 import torch
 import torch.distributed as dist
 
-from torchstrategy.collectives.cross_device_ops import CrossDeviceOps, _All, _Done
+from torchstrategy import runtime
+from torchstrategy.collectives.cross_device_ops import CrossDeviceOps, _All, _Done, wait_for
 
 
 class _Stages:
@@ -31,10 +31,10 @@ class _Stages:
         self._first = first
         self._later = later
 
-    def wait(self):
-        self._first.wait()
+    def wait(self, timeout=None):
+        wait_for(self._first, timeout)
         for stage in self._later:
-            stage().wait()
+            wait_for(stage(), timeout)
         return True
 
 
@@ -108,7 +108,7 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
                                is_leader, len(machines))
         # Drop the subgroups before the process group is released at exit: groups still
         # referenced at interpreter teardown are destroyed in the wrong order.
-        atexit.register(self._forget_groups)
+        runtime.current().on_shutdown(f"hierarchical-groups-{id(self)}", self._forget_groups)
 
     def _forget_groups(self):
         self._layout = None

@@ -49,30 +49,14 @@ import contextlib
 import weakref
 
 import torch
-import torch.distributed as dist
 
-from torchstrategy import _ops
+from torchstrategy import _compat, _ops, runtime
 from torchstrategy.collectives.communicator import explained_failures, hold
 from torchstrategy.collectives.cross_device_ops import NcclAllReduce
 from torchstrategy.collectives.stats import ReductionStats
 
 DEFAULT_BUCKET_CAP_BYTES = 25 * 1024 * 1024
 
-# Every live reducer, so that `close_all` can let go of the process group at exit.
-_live = weakref.WeakSet()
-
-
-def close_all():
-    """Drops every reducer's C++ core (and with it its reference to the process group).
-
-    Called before the process group is destroyed at exit: the group must be destroyed by
-    the main thread while the interpreter is whole. A C++ core still holding it would keep
-    the group alive into the interpreter's teardown, where gloo's threads can abort the
-    process ("terminate called without an active exception"). A closed reducer's hooks
-    do nothing (they hold only a weak reference to the core).
-    """
-    for reducer in list(_live):
-        reducer._core = None
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
 ALIGNMENT_BYTES = 16
 
@@ -89,7 +73,7 @@ def _process_group_for_cpp(cross_device_ops, group):
     must go through the cross-device ops' Python ``all_reduce_async``."""
     if type(cross_device_ops) is not NcclAllReduce or cross_device_ops.num_packs != 1:
         return None
-    return group if group is not None else dist.distributed_c10d._get_default_group()
+    return group if group is not None else _compat.default_process_group()
 
 
 class GradientReducer:
@@ -108,9 +92,8 @@ class GradientReducer:
         if bucket_cap_bytes <= 0:
             raise ValueError(f"bucket_cap_bytes must be positive, got {bucket_cap_bytes}.")
         self._comm = communicator
-        _live.add(self)
+        runtime.current().track_reducer(self)
         self._cap = int(bucket_cap_bytes)
-        self._first_cap = min(int(first_bucket_bytes), self._cap)
         self._params = []          # registration order
         self._known = set()        # ids of registered parameters
         self._index = {}           # id(param) -> registration index
@@ -132,6 +115,18 @@ class GradientReducer:
             self._core = make(process_group)
         except (RuntimeError, TypeError):  # a process group C++ cannot take: via Python
             self._core = make(None)
+
+    def close(self):
+        """Drops the C++ core (and with it its reference to the process group); called by
+        the runtime before the process group is destroyed at exit.
+
+        The group must be destroyed by the main thread while the interpreter is whole. A
+        C++ core still holding it would keep the group alive into the interpreter's
+        teardown, where gloo's threads can abort the process ("terminate called without an
+        active exception"). A closed reducer's hooks do nothing (they hold only a weak
+        reference to the core).
+        """
+        self._core = None
 
     # -- set-up -------------------------------------------------------------------------
     def add_parameters(self, params):
@@ -205,7 +200,8 @@ class GradientReducer:
     # -- once per backward --------------------------------------------------------------
     def _finalize(self):
         try:
-            with explained_failures("the gradient all-reduce", self._comm.rank):
+            with explained_failures("the gradient all-reduce", self._comm.rank,
+                                    self._comm.diagnose):
                 self._core.finalize()
         finally:
             self._core.reset_step()

@@ -146,7 +146,7 @@ class _InputBase:
             batch = nest.map_structure(
                 lambda leaf: leaf.to(self._device, non_blocking=True)
                 if isinstance(leaf, torch.Tensor) else leaf, batch)
-        return self._ext._wrap(batch)
+        return self._ext.wrap(batch)
 
 
 _END = object()

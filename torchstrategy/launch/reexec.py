@@ -9,7 +9,6 @@ set, then supervises them:
 - replica 0 failing (an exception, Ctrl-C) terminates the others before it exits;
 - children never outlive replica 0 (PR_SET_PDEATHSIG on Linux, and a watchdog thread).
 """
-import atexit
 import ctypes
 import os
 import signal
@@ -79,19 +78,22 @@ def watch_parent():
     threading.Thread(target=watch, name="torchstrategy-parent-watch", daemon=True).start()
 
 
-class _Supervisor:
+class Supervisor:
+    """Replica 0's watch over the replicas it started (owned by the runtime, which calls
+    `at_exit` from its single exit handler)."""
+
     def __init__(self, children):
         self.children = children  # rank -> Popen
         self.failure = None       # (rank, exit code) of the first replica that failed
         self.main_failed = False
         self.exiting = False      # replica 0's main thread is in its exit handler
         self.lock = threading.Lock()
-        self._install_excepthook()
-        atexit.register(self.at_exit)
         threading.Thread(target=self.watch, name="torchstrategy-supervisor",
                          daemon=True).start()
 
-    def _install_excepthook(self):
+    def install_excepthook(self):
+        """Notes an uncaught exception in replica 0, so that `at_exit` reports the replica
+        whose death caused it rather than the symptom."""
         previous = sys.excepthook
 
         def hook(kind, value, tb):
@@ -155,7 +157,11 @@ class _Supervisor:
                 return rank, code
         return None
 
-    def at_exit(self):
+    def at_exit(self, release_process_group):
+        """Waits for the other replicas, then calls `release_process_group` (after at most
+        ``_EXIT_WAIT_BEFORE_RELEASE_SECONDS`` even if they still run, so that one blocked in a
+        collective with us fails instead of hanging); exits with the code of the replica
+        that failed first, if any."""
         self.exiting = True
         if self.main_failed:
             # Replica 0's error is often the symptom ("connection closed by peer") of
@@ -180,17 +186,11 @@ class _Supervisor:
                 if not released and \
                         time.monotonic() - start > _EXIT_WAIT_BEFORE_RELEASE_SECONDS:
                     released = True
-                    if dist.is_initialized():
-                        from torchstrategy.collectives import reducer
-
-                        reducer.close_all()  # see close_all: the group dies here, whole
-                        dist.destroy_process_group()
+                    release_process_group()
                 time.sleep(_POLL_SECONDS)
         except KeyboardInterrupt:
             self.terminate_all()
         if not released:
-            from torchstrategy.launch.process_group import release_process_group
-
             release_process_group()
         if self.failure is None:
             for rank, child in self.children.items():
@@ -211,7 +211,9 @@ class _Supervisor:
 
 def start_local_replicas(num_replicas, timeout_seconds, *, node_rank=0, num_nodes=1,
                          master_addr=None, master_port=None):
-    """Starts replicas 1..N-1 of this program and returns replica 0's `World`.
+    """Starts replicas 1..N-1 of this program; returns replica 0's `World` and the
+    `Supervisor` watching them (None when nothing was started). Call it through
+    ``torchstrategy.runtime.current().start_local_replicas``, which owns both.
 
     On one machine this process hosts the rendezvous store on 127.0.0.1 and a port the OS
     picks, so there is no port to configure and no race for one.
@@ -245,9 +247,8 @@ def start_local_replicas(num_replicas, timeout_seconds, *, node_rank=0, num_node
         children[rank] = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(threads)
-    if children:
-        _Supervisor(children)
+    supervisor = Supervisor(children) if children else None
     return world_lib.World(rank=first_rank, world_size=world_size, local_rank=0,
                            local_world_size=num_replicas, launcher="reexec",
                            master_addr=master_addr, master_port=store.port, store=store,
-                           node_rank=node_rank, num_nodes=num_nodes)
+                           node_rank=node_rank, num_nodes=num_nodes), supervisor

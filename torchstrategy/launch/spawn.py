@@ -10,6 +10,7 @@ from multiprocessing import connection
 
 import torch.distributed as dist
 
+from torchstrategy import runtime
 from torchstrategy.launch import world as world_lib
 
 _TERMINATE_GRACE_SECONDS = 5.0
@@ -56,8 +57,7 @@ def _replica_main(fn, args, kwargs, rank, num_replicas, port, timeout, conn):
             sys.stderr.flush()
             os._exit(1)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        runtime.current().release_process_group()
     conn.close()
 
 

@@ -1,245 +1,222 @@
 """`Strategy` and `StrategyExtended`: the API every strategy shares (tf.distribute's
-``distribute_lib``), implemented once for the SPMD model.
+``distribute_lib``).
 
-A concrete strategy decides *where* replicas run (its devices, its process group) and hands
-the base a `Communicator`; everything else here (scope, run, reduce, gather, input, the
-gradient reducer) is the same for every one-replica-per-process strategy.
+`Strategy` is written once, here: ``scope``, ``run``, ``reduce``, ``gather``,
+``experimental_local_results`` and the input functions check their arguments and context,
+then call the strategy's `StrategyExtended`. `StrategyExtended` is an abstract contract:
+each strategy implements every abstract method below, in full, and nothing else in the
+package reaches into a strategy's private attributes. A new strategy is a new module with
+a `Strategy` subclass (its constructor and properties) and a `StrategyExtended` subclass.
 """
+import abc
 import contextlib
 import logging
 import threading
 
-import torch
-
-from torchstrategy import context, mirroring, nest, values
-from torchstrategy.collectives.reducer import GradientReducer
+from torchstrategy import context, mirroring
 from torchstrategy.collectives.stats import ReductionStats
-from torchstrategy.reduce_op import ReduceOp, as_reduce_op
-from torchstrategy.replica_context import ReplicaContext
+from torchstrategy.run_options import check_run_options
 
+# The library logs through the standard "torchstrategy" logger and configures nothing: a
+# program that wants the messages configures logging (the examples call basicConfig).
 logger = logging.getLogger("torchstrategy")
-if not logger.handlers:
-    _handler = logging.StreamHandler()
-    _handler.setFormatter(logging.Formatter("torchstrategy: %(message)s"))
-    logger.addHandler(_handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
+logger.addHandler(logging.NullHandler())
 
 
-class StrategyExtended:
-    """The parts of a strategy most programs do not need (tf.distribute's ``extended``).
+class StrategyExtended(abc.ABC):
+    """The parts of a strategy most programs do not need (tf.distribute's ``extended``),
+    and the contract between `Strategy` and a concrete strategy.
 
-    Attributes set by the concrete strategy:
-      replica_id: this process's replica id (0 is the chief).
-      num_replicas_in_sync: the number of replicas.
-      torch_device: the `torch.device` this replica computes on (None for the default
-        strategy, which places nothing).
+    Facts every strategy provides: `replica_id` (this process's first replica),
+    `num_replicas_in_sync`, `worker_devices`, `parameter_devices`, `is_chief`,
+    `torch_device` (None where nothing is placed), `communicator` (collectives among this
+    process's peers: ``all_reduce``, ``broadcast_``, ``broadcast_object``, ``barrier``).
     """
 
-    def __init__(self, container, communicator, torch_device, place_in_scope=True,
-                 bucket_cap_bytes=None):
+    #: True where ``run`` traces the whole global batch at once (TPUStrategy): loss scaling
+    #: then divides by the global batch without multiplying by the replica count.
+    traces_global_batch = False
+
+    def __init__(self, container):
         self._container = container
-        self._comm = communicator
-        self.torch_device = torch_device
-        self._place_in_scope = place_in_scope and torch_device is not None \
-            and torch_device.type != "cpu"
-        self._mirrored = mirroring.MirroredState()
-        self._reducer = None
-        if communicator.world_size > 1:
-            kwargs = {} if bucket_cap_bytes is None else {"bucket_cap_bytes": bucket_cap_bytes}
-            self._reducer = GradientReducer(communicator, **kwargs)
         self._scope_depth = threading.local()
 
     # -- facts ---------------------------------------------------------------------------
     @property
+    @abc.abstractmethod
     def replica_id(self):
-        return self._comm.rank
+        """The replica id of this process's (first) replica; 0 is the chief's."""
 
     @property
+    @abc.abstractmethod
     def num_replicas_in_sync(self):
-        return self._comm.world_size
+        """The number of replicas taking part in each step, across all machines."""
+
+    @property
+    @abc.abstractmethod
+    def worker_devices(self):
+        """The `torch.device`s of the replicas this process runs."""
+
+    @property
+    @abc.abstractmethod
+    def parameter_devices(self):
+        """The devices parameters live on."""
+
+    @property
+    @abc.abstractmethod
+    def torch_device(self):
+        """The device this process's replica computes on (None: nothing is placed)."""
+
+    @property
+    @abc.abstractmethod
+    def communicator(self):
+        """Collectives among the processes of this strategy (a world of one process
+        where the user's program runs alone, as on a parameter-server chief)."""
 
     @property
     def is_chief(self):
-        """True on replica 0: the one that writes checkpoints, logs and progress bars."""
-        return self._comm.rank == 0
-
-    should_checkpoint = is_chief
-    should_save_summary = is_chief
+        """True in the one process that writes checkpoints, logs and progress bars."""
+        return self.replica_id == 0
 
     @property
-    def worker_devices(self):
-        """The devices of the replicas this process runs."""
-        return (self.torch_device or torch.device("cpu"),)
+    def should_checkpoint(self):
+        return self.is_chief
 
     @property
-    def parameter_devices(self):
-        return self.worker_devices
+    def should_save_summary(self):
+        return self.is_chief
 
     @property
     def experimental_require_static_shapes(self):
         return False
 
     @property
-    def communicator(self):
-        return self._comm
-
-    @property
     def cross_device_ops(self):
-        return self._comm.cross_device_ops
+        return getattr(self.communicator, "cross_device_ops", None)
 
-    # -- contexts ------------------------------------------------------------------------
-    def _default_replica_context(self):
-        return ReplicaContext(self._container, 0, self.torch_device or torch.device("cpu"))
+    # -- running ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def default_replica_context(self):
+        """The `ReplicaContext` code outside any ``run`` sees when this strategy is the
+        default one (only the default strategy's is ever used)."""
 
-    def _placement(self):
-        if self._place_in_scope:
-            return self.torch_device
+    @abc.abstractmethod
+    def call_for_each_replica(self, fn, args, kwargs):
+        """Runs ``fn(*args, **kwargs)`` for every replica this process runs, in replica
+        context, and returns the result(s) as ``strategy.run`` returns them. Distributed
+        values among the arguments are replaced by each replica's component."""
+
+    # -- cross-replica reductions ------------------------------------------------------
+    @abc.abstractmethod
+    def reduce_across_replicas(self, reduce_op, value, axis):
+        """``strategy.reduce``: the reduced value, identical on every replica."""
+
+    @abc.abstractmethod
+    def gather_across_replicas(self, value, axis):
+        """``strategy.gather``: every replica's value concatenated along `axis`."""
+
+    @abc.abstractmethod
+    def local_results(self, value):
+        """``experimental_local_results``: this process's components, as a tuple."""
+
+    @abc.abstractmethod
+    def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
+        """Reduces many values at once (one fused collective per dtype); each result is
+        placed on its destination (a device, a tensor whose device to use, or None)."""
+
+    def reduce_to(self, reduce_op, value, destinations, options=None):
+        """Reduces `value` across replicas and places it on `destinations`; returns a
+        `Mirrored` (the plain value with one replica)."""
+        return self.batch_reduce_to(reduce_op, [(value, destinations)], options)[0]
+
+    # -- collectives in replica context -------------------------------------------------
+    @abc.abstractmethod
+    def replica_all_reduce(self, reduce_op, value, options=None):
+        """``ReplicaContext.all_reduce``: the reduced value on every replica."""
+
+    @abc.abstractmethod
+    def replica_all_gather(self, value, axis, options=None):
+        """``ReplicaContext.all_gather``: the values of every replica along `axis`."""
+
+    # -- the scope: placement and mirrored state -------------------------------------------
+    def scope_placement(self):
+        """A context manager active inside ``scope()`` (e.g. the default device)."""
         return contextlib.nullcontext()
 
-    def _device_guard(self):
-        if self.torch_device is not None and self.torch_device.type == "cuda":
-            return torch.cuda.device(self.torch_device)
-        return contextlib.nullcontext()
+    @abc.abstractmethod
+    def record_parameter(self, module, name, param):
+        """Called for every parameter registered on a module inside the scope."""
+
+    @abc.abstractmethod
+    def record_buffer(self, module, name):
+        """Called for every buffer registered on a module inside the scope."""
+
+    @abc.abstractmethod
+    def record_variable(self, variable):
+        """Called for every ``ts.Variable`` created inside the scope."""
+
+    @abc.abstractmethod
+    def synchronize_mirrored_state(self):
+        """Makes what the scope recorded identical on every replica (replica 0's values)
+        and ready for training; called at scope exit and before each ``run``."""
+
+    # -- variables ---------------------------------------------------------------------
+    def create_variable(self, *args, **kwargs):
+        """The variable ``ts.Variable(*args, **kwargs)`` makes in this strategy's scope,
+        or None to make the usual `MirroredVariable` / `SyncOnReadVariable`."""
+        return None
+
+    def check_variable(self, variable):
+        """Raises if this strategy cannot hold `variable` (called when it is created)."""
+
+    @abc.abstractmethod
+    def write_variable(self, variable, new_value):
+        """Writes a variable's (already aggregated) new value into its tensor."""
+
+    # -- input -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def distribute_dataset(self, dataset, options):
+        """``experimental_distribute_dataset``: replica r iterates slice r of each global
+        batch."""
+
+    @abc.abstractmethod
+    def distribute_datasets_from_function(self, dataset_fn, options):
+        """``distribute_datasets_from_function``: ``dataset_fn(InputContext)`` builds each
+        input pipeline."""
+
+    @abc.abstractmethod
+    def distribute_values_from_function(self, value_fn):
+        """``experimental_distribute_values_from_function``: ``value_fn(ValueContext)`` per
+        local replica, as a `PerReplica`."""
+
+    # -- optional capabilities -------------------------------------------------------------
+    def check_run_options(self, options):
+        """Returns the `RunOptions` of a ``run`` after refusing what this strategy cannot
+        honour (see `torchstrategy.run_options`)."""
+        return check_run_options(options, type(self._container).__name__)
 
     @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside accumulate gradients locally, with no communication; the
         next backward outside sums everything accumulated since across replicas (DDP's
-        ``no_sync``, for gradient accumulation)."""
-        if self._reducer is None:
-            yield
-        else:
-            with self._reducer.no_sync():
-                yield
+        ``no_sync``, for gradient accumulation). Where gradients are not communicated
+        during backward this changes nothing."""
+        yield
+
+    def host_copy(self, obj):
+        """`obj` as a checkpoint stores it: tensors readable without this strategy's
+        devices (TPUStrategy copies XLA tensors to the host); identity by default."""
+        return obj
+
+    def synchronize_buffers(self):
+        """Makes mirrored buffers (BatchNorm statistics) identical on every replica; the
+        strategy calls it after each ``run``, an adapter driving its own loop (Lightning)
+        after each optimizer step."""
 
     def stats(self):
-        """What the gradient reducer did in the last synchronised ``backward()``: a
-        `ReductionStats` (bytes reduced, buckets, exposed communication time, ...).
-        All zeros with one replica, where nothing is communicated."""
-        if self._reducer is None:
-            return ReductionStats(num_parameters=0)
-        return self._reducer.stats()
-
-    # -- variables -----------------------------------------------------------------------
-    def _check_variable(self, variable):
-        """Raises if this strategy cannot hold `variable` (called when it is created)."""
-
-    def _write_variable(self, variable, new_value):
-        """Writes a variable's (already aggregated) new value into its tensor. Strategies
-        running several replicas in one process override this to write it once."""
-        tensor = variable.tensor
-        with torch.no_grad():
-            tensor.copy_(torch.as_tensor(new_value, dtype=tensor.dtype, device=tensor.device))
-
-    # -- mirrored state ------------------------------------------------------------------
-    def _sync_mirrored_state(self):
-        """Broadcasts tensors mirrored since the last call from replica 0 and gives new
-        parameters to the gradient reducer. Every replica calls this at the same points
-        (scope exit, the start of ``run``), so it is a collective only when needed."""
-        pending = self._mirrored.take_pending()
-        if not pending:
-            return
-        if self._comm.world_size > 1:
-            with torch.no_grad():
-                self._comm.broadcast_(pending, src=0)
-        if self._reducer is not None:
-            self._reducer.add_parameters([t for t in pending
-                                          if isinstance(t, torch.nn.Parameter)
-                                          or id(t) in self._mirrored._param_ids])
-
-    def _after_step(self):
-        """Buffers (BatchNorm statistics) become the mean over replicas after each step,
-        as TensorFlow's MEAN-aggregated moving averages do, so every replica holds the same
-        values."""
-        if self._comm.world_size > 1:
-            buffers = self._mirrored.floating_buffers()
-            if buffers:
-                with torch.no_grad():
-                    self._comm.all_reduce(buffers, ReduceOp.MEAN, inplace=True)
-
-    # -- values --------------------------------------------------------------------------
-    def _wrap(self, structure, kind=values.PerReplica):
-        if self._comm.world_size == 1:
-            return structure
-        return values.wrap(structure, (self._comm.rank,), kind)
-
-    def _local_tensors(self, value, what):
-        local = values.local_component(value)
-        return nest.tensor_leaves(local, what)
-
-    def _all_reduce_local(self, reduce_op, value):
-        op = as_reduce_op(reduce_op)
-        tensors, spec = self._local_tensors(value, "all_reduce")
-        return nest.pack(spec, self._comm.all_reduce(tensors, op))
-
-    def _all_gather_local(self, value, axis):
-        tensors, spec = self._local_tensors(value, "all_gather")
-        return nest.pack(spec, self._comm.all_gather(tensors, axis))
-
-    def _reduce(self, reduce_op, value, axis):
-        op = as_reduce_op(reduce_op)
-        tensors, spec = self._local_tensors(value, "reduce")
-        if axis is None:
-            return nest.pack(spec, self._comm.all_reduce(tensors, op))
-        for index, t in enumerate(tensors):
-            if not -max(t.dim(), 1) <= axis < max(t.dim(), 1) or t.dim() == 0:
-                raise ValueError(f"axis {axis} is out of range for leaf {index} of shape "
-                                 f"{tuple(t.shape)}.")
-        sums = [t.sum(dim=axis) for t in tensors]
-        if op is ReduceOp.SUM:
-            return nest.pack(spec, self._comm.all_reduce(sums, op))
-        # MEAN over the global batch: sum of local sums over the sum of local counts, so
-        # replicas holding different numbers of rows (the uneven last batch) weigh right.
-        counts = [torch.tensor(float(t.shape[axis]), dtype=s.dtype, device=s.device)
-                  for t, s in zip(tensors, sums)]
-        for s in sums:
-            if not s.is_floating_point():
-                raise ValueError("ReduceOp.MEAN of integer tensors is ambiguous; cast to a "
-                                 "floating dtype first, or use SUM.")
-        reduced = self._comm.all_reduce(sums + counts, ReduceOp.SUM)
-        n = len(sums)
-        return nest.pack(spec, [s / c for s, c in zip(reduced[:n], reduced[n:])])
-
-    # -- tf.distribute's extended API ----------------------------------------------------
-    def reduce_to(self, reduce_op, value, destinations, options=None):
-        """Reduces `value` across replicas and places the result on `destinations` (a
-        device, a tensor whose device to use, or None for this replica's device).
-
-        Returns a `Mirrored` (the plain value with one replica)."""
-        return self.batch_reduce_to(reduce_op, [(value, destinations)], options)[0]
-
-    def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
-        """`reduce_to` for many values at once, in one fused collective per dtype."""
-        op = as_reduce_op(reduce_op)
-        pairs = list(value_destination_pairs)
-        all_tensors, layout = [], []
-        for value, destinations in pairs:
-            tensors, spec = self._local_tensors(value, "batch_reduce_to")
-            layout.append((len(tensors), spec, destinations))
-            all_tensors += tensors
-        reduced = self._comm.all_reduce(all_tensors, op)
-        results, start = [], 0
-        for count, spec, destinations in layout:
-            device = _destination_device(destinations)
-            part = [t if device is None else t.to(device) for t in reduced[start:start + count]]
-            start += count
-            results.append(self._wrap(nest.pack(spec, part), values.Mirrored))
-        return results
-
-
-def _destination_device(destinations):
-    if destinations is None:
-        return None
-    if isinstance(destinations, values.DistributedValues):
-        destinations = destinations.values[0]
-    if isinstance(destinations, torch.Tensor):
-        return destinations.device
-    if hasattr(destinations, "device") and isinstance(destinations.device, torch.device):
-        return destinations.device
-    from torchstrategy.devices import parse_device
-
-    return parse_device(destinations).torch_device
+        """What the gradient reduction did in the last synchronised ``backward()``, as a
+        `ReductionStats`; all zeros where nothing is communicated."""
+        return ReductionStats(num_parameters=0)
 
 
 class Strategy:
@@ -257,6 +234,8 @@ class Strategy:
     """
 
     def __init__(self, extended):
+        if not isinstance(extended, StrategyExtended):
+            raise TypeError(f"a Strategy needs a StrategyExtended, got {extended!r}.")
         self._extended = extended
 
     @property
@@ -279,31 +258,37 @@ class Strategy:
 
         Inside, modules are created on the replica's device; every parameter and buffer
         registered is recorded (nothing is wrapped). When the outermost scope exits, the
-        new tensors are broadcast from replica 0 so every replica starts identical.
+        new tensors are made identical on every replica (replica 0's values).
 
         Raises:
           RuntimeError: when a different strategy's scope is already active.
         """
         _check_not_mixing(self)
         mirroring.install_capture()
-        depth = getattr(self._extended._scope_depth, "value", 0)
-        self._extended._scope_depth.value = depth + 1
+        ext = self._extended
+        depth = getattr(ext._scope_depth, "value", 0)
+        ext._scope_depth.value = depth + 1
         try:
-            with context.enter(self, None), self._extended._placement():
+            with context.enter(self, None), ext.scope_placement():
                 yield self
         finally:
-            self._extended._scope_depth.value = depth
+            ext._scope_depth.value = depth
         if depth == 0 and not context.in_run():
-            self._extended._sync_mirrored_state()
+            ext.synchronize_mirrored_state()
 
     # -- run -----------------------------------------------------------------------------
     def run(self, fn, args=(), kwargs=None, options=None):
-        """Runs ``fn(*args, **kwargs)`` on this process's replica, in replica context.
+        """Runs ``fn(*args, **kwargs)`` on this process's replica(s), in replica context.
 
-        Distributed values among the arguments are replaced by this replica's component.
+        Distributed values among the arguments are replaced by each replica's component.
         Inside `fn`, ``loss.backward()`` leaves in every mirrored parameter's ``.grad`` the
         sum of the gradients of all replicas, and ``ts.get_replica_context()`` gives the
         replica's id and its collectives.
+
+        Args:
+          fn: the step function.
+          args / kwargs: its arguments (a tuple / a dict).
+          options: a `ts.RunOptions`; values this strategy cannot honour are refused.
 
         Returns:
           `fn`'s result with every leaf wrapped in a `PerReplica` (plain values with one
@@ -311,21 +296,22 @@ class Strategy:
 
         Raises:
           RuntimeError: when called inside ``run`` or while another strategy is active.
+          TypeError / ValueError: `args` not a tuple or list, `kwargs` not a dict, options.
         """
         if context.in_run():
             raise RuntimeError("strategy.run was called inside strategy.run (or merge_call). "
                                "Nested run is not supported: call the function directly.")
         _check_not_mixing(self)
-        kwargs = kwargs or {}
-        ext = self._extended
-        ext._sync_mirrored_state()
-        args = values.local_component(args)
-        kwargs = values.local_component(kwargs)
-        replica = ReplicaContext(self, ext.replica_id, ext.torch_device or torch.device("cpu"))
-        with context.enter(self, replica), ext._device_guard():
-            result = fn(*args, **kwargs)
-        ext._after_step()
-        return ext._wrap(result)
+        if not callable(fn):
+            raise TypeError(f"strategy.run needs a function, got {fn!r}.")
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"strategy.run(fn, args=...) takes a tuple of arguments, got a "
+                            f"{type(args).__name__}; write args=(x,) for one argument.")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise TypeError(f"strategy.run(fn, kwargs=...) takes a dict, got "
+                            f"{type(kwargs).__name__}.")
+        self._extended.check_run_options(options)
+        return self._extended.call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
 
     # -- cross-replica operations ---------------------------------------------------------
     def reduce(self, reduce_op, value, axis=None):
@@ -344,20 +330,20 @@ class Strategy:
           The reduced tensor (structure), identical on every replica.
         """
         _require_cross_replica("reduce")
-        return self._extended._reduce(reduce_op, value, axis)
+        _check_axis_argument(axis, "reduce", allow_none=True)
+        return self._extended.reduce_across_replicas(reduce_op, value, axis)
 
     def gather(self, value, axis):
         """Concatenates a per-replica value from every replica along `axis`, in replica
         order; sizes along `axis` may differ between replicas."""
         _require_cross_replica("gather")
-        return self._extended._all_gather_local(value, axis)
+        _check_axis_argument(axis, "gather", allow_none=False)
+        return self._extended.gather_across_replicas(value, axis)
 
     def experimental_local_results(self, value):
         """The components of `value` held by this process, as a tuple (one per local
         replica); a nested structure gives a tuple of structures."""
-        if isinstance(value, values.DistributedValues):
-            return value.values
-        return (values.local_component(value),)
+        return self._extended.local_results(value)
 
     # -- input ---------------------------------------------------------------------------
     def experimental_distribute_dataset(self, dataset, options=None):
@@ -365,23 +351,16 @@ class Strategy:
 
         See `torchstrategy.input.distributed_dataset.DistributedDataset`.
         """
-        from torchstrategy.input.distributed_dataset import DistributedDataset
-
-        return DistributedDataset(self, dataset, options)
+        return self._extended.distribute_dataset(dataset, options)
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
-        """Calls ``dataset_fn(ts.InputContext)`` to build this replica's input pipeline."""
-        from torchstrategy.input.distributed_dataset import DistributedDatasetsFromFunction
-
-        return DistributedDatasetsFromFunction(self, dataset_fn, options)
+        """Calls ``dataset_fn(ts.InputContext)`` to build each replica's input pipeline."""
+        return self._extended.distribute_datasets_from_function(dataset_fn, options)
 
     def experimental_distribute_values_from_function(self, value_fn):
-        """Calls ``value_fn(ts.ValueContext)`` for this replica; returns a `PerReplica`."""
-        from torchstrategy.input.contexts import ValueContext
-
-        ext = self._extended
-        value = value_fn(ValueContext(ext.replica_id, ext.num_replicas_in_sync))
-        return ext._wrap(value)
+        """Calls ``value_fn(ts.ValueContext)`` for each local replica; returns a
+        `PerReplica`."""
+        return self._extended.distribute_values_from_function(value_fn)
 
     def __repr__(self):
         return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"
@@ -402,3 +381,12 @@ def _require_cross_replica(name):
         raise RuntimeError(f"strategy.{name} must be called in cross-replica context "
                            "(outside strategy.run). Inside run, use "
                            f"ts.get_replica_context().all_{'reduce' if name == 'reduce' else 'gather'}(...).")
+
+
+def _check_axis_argument(axis, name, allow_none):
+    if axis is None and allow_none:
+        return
+    if isinstance(axis, bool) or not isinstance(axis, int):
+        raise TypeError(f"strategy.{name}(..., axis={axis!r}): axis must be an int"
+                        + (" or None" if allow_none else "") + f", got a {type(axis).__name__}.")
+

@@ -20,7 +20,8 @@ from torchstrategy.reduce_op import ReduceOp, as_reduce_op
 from torchstrategy.replica_context import ReplicaContext
 from torchstrategy.strategies import central_reads
 from torchstrategy.strategies.base import (Strategy, StrategyExtended, _check_not_mixing,
-                                           _destination_device, logger)
+                                           logger)
+from torchstrategy.strategies.spmd import destination_device as _destination_device
 from torchstrategy.strategies.replica_threads import ReplicaGroup, run_replicas
 
 

@@ -3,36 +3,54 @@
 A pass-through with one replica: ``run`` calls the function, ``reduce`` returns the value
 (reduced along `axis` if given), nothing is placed, launched or communicated. Code written
 for a strategy therefore also runs without one.
+
+Importing this module registers the default strategy with `torchstrategy.context`, which
+itself knows no strategy class.
 """
 import threading
 
+import torch
+
+from torchstrategy import context
 from torchstrategy.collectives.communicator import Communicator
 from torchstrategy.collectives.cross_device_ops import NcclAllReduce
-from torchstrategy.strategies.base import Strategy, StrategyExtended
-
-_lock = threading.Lock()
-_default = None
+from torchstrategy.strategies.base import Strategy
+from torchstrategy.strategies.spmd import SPMDExtended
 
 
 class _DefaultStrategy(Strategy):
     def __init__(self):
-        import torch
-
         communicator = Communicator(None, 0, 1, torch.device("cpu"), NcclAllReduce())
-        super().__init__(StrategyExtended(self, communicator, None, place_in_scope=False))
+        super().__init__(SPMDExtended(self, communicator, None, place_in_scope=False))
 
     def __repr__(self):
         return "DefaultStrategy()"
 
 
+class _DefaultStrategyHolder:
+    """Makes the process-wide default strategy on first use (thread-safe)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._strategy = None
+
+    def get(self):
+        with self._lock:
+            if self._strategy is None:
+                self._strategy = _DefaultStrategy()
+            return self._strategy
+
+
+_holder = _DefaultStrategyHolder()
+
+
 def default_strategy():
     """The process-wide default strategy."""
-    global _default
-    with _lock:
-        if _default is None:
-            _default = _DefaultStrategy()
-    return _default
+    return _holder.get()
 
 
 def is_default(strategy):
     return isinstance(strategy, _DefaultStrategy)
+
+
+context.register_default_strategy(default_strategy, is_default)

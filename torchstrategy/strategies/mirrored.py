@@ -1,16 +1,13 @@
 """`MirroredStrategy`: synchronous data parallelism, one process per local device."""
 import torch
 
+from torchstrategy import runtime
 from torchstrategy.collectives.communicator import Communicator
 from torchstrategy.collectives.cross_device_ops import as_cross_device_ops
 from torchstrategy.devices import ReplicaDevice, default_local_devices, parse_devices
-from torchstrategy.launch import process_group, reexec
 from torchstrategy.launch import world as world_lib
-from torchstrategy.strategies.base import Strategy, StrategyExtended, logger
-
-# The world of this process, once a strategy has established it: a second strategy in the
-# same program joins it instead of launching again.
-_process_world = None
+from torchstrategy.strategies.base import Strategy, logger
+from torchstrategy.strategies.spmd import SPMDExtended
 
 
 def _launched_devices(world):
@@ -35,18 +32,15 @@ def establish_world(devices, timeout_seconds):
     Raises:
       ValueError: `devices` disagreeing with the launched world.
     """
-    global _process_world
+    process = runtime.current()
     parsed = parse_devices(devices) if devices is not None else None
-    world = _process_world or world_lib.from_environment()
+    world = runtime.world_from_environment()
     if world is None:
         local = parsed or default_local_devices()
         if len(local) > 1:
-            world = reexec.start_local_replicas(len(local), timeout_seconds)
-        else:
-            world = world_lib.World()
+            return process.start_local_replicas(len(local), timeout_seconds), local
+        world = world_lib.World()
     else:
-        if world.launcher == "reexec" and world.rank > 0:
-            reexec.watch_parent()
         if parsed is not None and len(parsed) != world.local_world_size and \
                 world.launcher == "single":
             raise ValueError(
@@ -60,8 +54,7 @@ def establish_world(devices, timeout_seconds):
                 f"machine (LOCAL_WORLD_SIZE={world.local_world_size}). Pass "
                 f"{world.local_world_size} devices, or none to take one per process.")
         local = parsed or _launched_devices(world)
-    _process_world = world
-    return world, local
+    return process.adopt_world(world), local
 
 
 class MirroredStrategy(Strategy):
@@ -100,11 +93,11 @@ class MirroredStrategy(Strategy):
             if torch_device.type == "cuda":
                 torch.cuda.set_device(torch_device)
             backend = "nccl" if torch_device.type == "cuda" else "gloo"
-            group = process_group.ensure_process_group(world, backend, timeout)
+            group = runtime.current().init_process_group(world, backend, timeout)
         communicator = Communicator(group, world.rank, world.world_size, torch_device,
                                     cross_device_ops)
-        super().__init__(StrategyExtended(self, communicator, torch_device,
-                                          bucket_cap_bytes=int(bucket_cap_mb * 1024 * 1024)))
+        super().__init__(SPMDExtended(self, communicator, torch_device,
+                                      bucket_cap_bytes=bucket_cap_mb * 1024 * 1024))
         self._world = world
         self._devices = tuple(d.name for d in local)
         if world.rank == 0:

@@ -24,9 +24,9 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from torchstrategy import runtime
 from torchstrategy.cluster_resolver import (ClusterResolver, TFConfigClusterResolver,
                                             TorchElasticClusterResolver)
-from torchstrategy.collectives import communicator as communicator_lib
 from torchstrategy.collectives import roll_call
 from torchstrategy.collectives.communicator import Communicator
 from torchstrategy.collectives.compression import with_compression
@@ -36,10 +36,10 @@ from torchstrategy.collectives.reducer import DEFAULT_BUCKET_CAP_BYTES
 from torchstrategy.communication_options import (CommunicationImplementation,
                                                   CommunicationOptions)
 from torchstrategy.devices import default_local_devices, parse_devices
-from torchstrategy.launch import process_group, reexec
 from torchstrategy.launch import world as world_lib
 from torchstrategy.strategies import mirrored
-from torchstrategy.strategies.base import Strategy, StrategyExtended, logger
+from torchstrategy.strategies.base import Strategy, logger
+from torchstrategy.strategies.spmd import SPMDExtended
 
 
 def _default_resolver():
@@ -99,7 +99,7 @@ def _establish_world(resolver, devices, implementation, timeout_seconds):
     """Returns (world, local devices) for this process, launching this machine's other
     replicas when a TF_CONFIG-style cluster is started with plain ``python train.py``."""
     parsed = parse_devices(devices) if devices is not None else None
-    launched = mirrored._process_world or world_lib.from_environment()
+    launched = runtime.world_from_environment()
     tasks = resolver.training_tasks() if resolver.cluster_spec() else []
     node_rank = 0
     if tasks and resolver.task_type is not None:
@@ -116,9 +116,9 @@ def _establish_world(resolver, devices, implementation, timeout_seconds):
     local = parsed or default_local_devices()
     _backend(implementation, local[0].kind)
     try:
-        world = reexec.start_local_replicas(len(local), timeout_seconds, node_rank=node_rank,
-                                            num_nodes=len(tasks), master_addr=host,
-                                            master_port=port)
+        world = runtime.current().start_local_replicas(
+            len(local), timeout_seconds, node_rank=node_rank, num_nodes=len(tasks),
+            master_addr=host, master_port=port)
     except (RuntimeError, OSError) as error:  # DistStoreError / DistNetworkError included
         me = f"{resolver.task_type}:{resolver.task_id}"
         if node_rank == 0:
@@ -132,7 +132,6 @@ def _establish_world(resolver, devices, implementation, timeout_seconds):
                        "the port is open")
         raise RuntimeError(f"torchstrategy: {problem}. ({error})") from error
     _agree_on_replicas_per_machine(world.store, world, timeout_seconds, tasks)
-    mirrored._process_world = world
     return world, local
 
 
@@ -158,8 +157,7 @@ def _roll_call_for(world, resolver, token):
             len(tasks) == world.num_nodes else f"worker:{machine}"
         return f"replica {rank} (on {task})"
 
-    return lambda rank: roll_call.describe_missing(rank, world.world_size, token,
-                                                   name_of_rank)
+    return roll_call.RollCall(token, world.world_size, name_of_rank).describe_missing
 
 
 class MultiWorkerMirroredStrategy(Strategy):
@@ -215,7 +213,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         if world.world_size > 1:
             if torch_device.type == "cuda":
                 torch.cuda.set_device(torch_device)
-            group = process_group.ensure_process_group(world, backend, timeout)
+            group = runtime.current().init_process_group(world, backend, timeout)
             if isinstance(cross_device_ops, HierarchicalCopyAllReduce):
                 machine_of_rank = [None] * world.world_size
                 dist.all_gather_object(machine_of_rank, world.node_rank)
@@ -224,11 +222,10 @@ class MultiWorkerMirroredStrategy(Strategy):
                                     cross_device_ops)
         if world.world_size > 1:
             token = communicator.broadcast_object(uuid.uuid4().hex)
-            communicator_lib.failure_diagnosis = _roll_call_for(world, cluster_resolver,
-                                                                token)
+            communicator.diagnose = _roll_call_for(world, cluster_resolver, token)
         bucket_bytes = options.bytes_per_pack or DEFAULT_BUCKET_CAP_BYTES
-        super().__init__(StrategyExtended(self, communicator, torch_device,
-                                          bucket_cap_bytes=bucket_bytes))
+        super().__init__(SPMDExtended(self, communicator, torch_device,
+                                      bucket_cap_bytes=bucket_bytes))
         self._world = world
         self._resolver = cluster_resolver
         self._options = options

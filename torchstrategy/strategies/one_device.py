@@ -2,7 +2,8 @@
 from torchstrategy.collectives.communicator import Communicator
 from torchstrategy.collectives.cross_device_ops import NcclAllReduce
 from torchstrategy.devices import parse_devices
-from torchstrategy.strategies.base import Strategy, StrategyExtended
+from torchstrategy.strategies.base import Strategy
+from torchstrategy.strategies.spmd import SPMDExtended
 
 
 class OneDeviceStrategy(Strategy):
@@ -17,7 +18,7 @@ class OneDeviceStrategy(Strategy):
         (parsed,) = parse_devices([device])
         torch_device = parsed.torch_device
         communicator = Communicator(None, 0, 1, torch_device, NcclAllReduce())
-        super().__init__(StrategyExtended(self, communicator, torch_device))
+        super().__init__(SPMDExtended(self, communicator, torch_device))
         self._device_name = parsed.name
 
     def __repr__(self):

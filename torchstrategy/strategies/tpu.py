@@ -32,8 +32,8 @@ from torchstrategy.collectives.cross_device_ops import NcclAllReduce
 from torchstrategy.reduce_op import ReduceOp, as_reduce_op
 from torchstrategy.replica_context import ReplicaContext
 from torchstrategy.strategies.base import (Strategy, StrategyExtended, _check_not_mixing,
-                                           _destination_device, _require_cross_replica,
-                                           logger)
+                                           _require_cross_replica, logger)
+from torchstrategy.strategies.spmd import destination_device as _destination_device
 
 
 class TPUReplicaContext(ReplicaContext):

@@ -1,0 +1,123 @@
+"""The user guide cannot rot: its code runs, its links resolve, its API table is complete.
+
+Convention (every docs/ page follows it):
+- The fenced blocks of a page that start with ```python are concatenated, in order, and run
+  as ONE script: ``python page.py`` with this test's interpreter, in a fresh temporary
+  working directory, with TORCHSTRATEGY_TIMEOUT_SECONDS set, under a 120 s timeout. The
+  script must exit 0. Blocks fenced ```python no-run are shown, not run.
+- A page whose first line is ``<!-- docs-test: xla -->`` needs torch_xla: the core suite
+  skips it (the xla suite runs it).
+- Every relative link in docs/*.md and README.md must point at an existing file.
+- Every name in ``torchstrategy.__all__`` must appear as ``ts.<name>`` in a row of the table
+  in docs/coming_from_tf_distribute.md.
+"""
+import glob
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import torchstrategy as ts
+
+from tests.helpers import ROOT
+DOCS = os.path.join(ROOT, "docs")
+PAGE_TIMEOUT_SECONDS = 120
+XLA_MARKER = "<!-- docs-test: xla -->"
+TABLE_PAGE = os.path.join(DOCS, "coming_from_tf_distribute.md")
+
+_FENCE = re.compile(r"^```(?P<info>[^\n`]*)\n(?P<body>.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+_LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+def pages():
+    return sorted(glob.glob(os.path.join(DOCS, "*.md")))
+
+
+def runnable_code(text):
+    """The page's ```python blocks (not ```python no-run), concatenated in order."""
+    blocks = [m["body"] for m in _FENCE.finditer(text) if m["info"].strip() == "python"]
+    return "\n".join(blocks)
+
+
+def _page_id(path):
+    return os.path.basename(path)
+
+
+def _env():
+    env = dict(os.environ)
+    env.setdefault("TORCHSTRATEGY_TIMEOUT_SECONDS", "60")
+    env["PYTHONUNBUFFERED"] = "1"
+    # A launcher's variables (pytest under torchrun) must not leak into the pages.
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHSTRATEGY_LAUNCHER",
+                 "TORCHSTRATEGY_PARENT_PID"):
+        env.pop(name, None)
+    return env
+
+
+def test_convention_extracts_blocks_in_order_and_skips_no_run():
+    text = ("intro\n```python\na = 1\n```\n```python no-run\nraise SystemExit(1)\n```\n"
+            "```bash\nexit 1\n```\n```python\nassert a == 1\n```\n")
+    assert runnable_code(text) == "a = 1\n\nassert a == 1\n"
+
+
+@pytest.mark.timeout(PAGE_TIMEOUT_SECONDS + 30)
+@pytest.mark.parametrize("page", pages(), ids=_page_id)
+def test_page_code_runs(page, tmp_path):
+    with open(page, encoding="utf-8") as f:
+        text = f.read()
+    if text.splitlines()[:1] == [XLA_MARKER]:
+        pytest.skip("needs torch_xla: run by the xla suite")
+    code = runnable_code(text)
+    if not code.strip():
+        pytest.skip("no runnable python blocks")
+    script = tmp_path / (os.path.splitext(os.path.basename(page))[0] + "_page.py")
+    script.write_text(code, encoding="utf-8")
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(),
+                            capture_output=True, text=True, timeout=PAGE_TIMEOUT_SECONDS)
+    assert result.returncode == 0, (
+        f"the python blocks of docs/{os.path.basename(page)} exited with "
+        f"{result.returncode}\n--- stdout ---\n{result.stdout[-4000:]}\n"
+        f"--- stderr ---\n{result.stderr[-4000:]}")
+
+
+def _relative_links(path):
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    text = _FENCE.sub("", text)  # code blocks may contain brackets and parentheses
+    for target in _LINK.findall(text):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.IGNORECASE) or target.startswith("#"):
+            continue  # http:, https:, mailto: ... and anchors within the page
+        yield target
+
+
+@pytest.mark.parametrize("path", pages() + [os.path.join(ROOT, "README.md")], ids=_page_id)
+def test_relative_links_resolve(path):
+    broken = []
+    for target in _relative_links(path):
+        file_part = target.split("#", 1)[0]
+        resolved = os.path.normpath(os.path.join(os.path.dirname(path), file_part))
+        if not os.path.exists(resolved):
+            broken.append(target)
+    assert not broken, f"{os.path.relpath(path, ROOT)} links to missing files: {broken}"
+
+
+def test_every_public_name_is_in_the_tf_distribute_table():
+    with open(TABLE_PAGE, encoding="utf-8") as f:
+        rows = [line for line in f if line.lstrip().startswith("|")]
+    table = "\n".join(rows)
+    missing = [name for name in ts.__all__
+               if not re.search(r"`ts\." + re.escape(name) + r"\b", table)]
+    assert not missing, (f"add a row for each of {missing} to the table in "
+                         "docs/coming_from_tf_distribute.md")
+
+
+def test_index_links_every_page():
+    with open(os.path.join(DOCS, "index.md"), encoding="utf-8") as f:
+        linked = {os.path.normpath(os.path.join(DOCS, t.split("#")[0]))
+                  for t in _relative_links(os.path.join(DOCS, "index.md"))}
+    unlinked = [os.path.basename(p) for p in pages()
+                if os.path.basename(p) != "index.md" and p not in linked]
+    assert not unlinked, f"docs/index.md does not link {unlinked}"

@@ -1,0 +1,133 @@
+"""Launching: re-execution of a plain `python train.py`, torchrun, supervision, no orphans."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers import SCRIPTS
+import torch
+
+SCRIPT = os.path.join(SCRIPTS, "reexec_train.py")
+
+
+def _env():
+    env = dict(os.environ)
+    env["TORCHSTRATEGY_TIMEOUT_SECONDS"] = "60"
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHSTRATEGY_LAUNCHER"):
+        env.pop(name, None)
+    return env
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _pids(outdir):
+    return [int(open(os.path.join(outdir, f"pid{r}")).read()) for r in range(2)
+            if os.path.exists(os.path.join(outdir, f"pid{r}"))]
+
+
+def _assert_no_orphans(outdir):
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(p) for p in _pids(outdir)):
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in _pids(outdir)), "a replica outlived the job"
+
+
+def _weights(outdir):
+    return [open(os.path.join(outdir, f"weights{r}")).read() for r in range(2)]
+
+
+def _run(mode, tmp_path, timeout=180):
+    return subprocess.run([sys.executable, SCRIPT, mode, str(tmp_path)], env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_plain_python_runs_every_replica_with_identical_weights(tmp_path):
+    result = _run("ok", tmp_path)
+    assert result.returncode == 0, result.stderr
+    weights = _weights(tmp_path)
+    assert weights[0].startswith("2 [")
+    assert weights[0] == weights[1]  # replicas started from replica 0's weights and stayed equal
+    # One log line, from replica 0, naming the devices.
+    assert result.stderr.count("MirroredStrategy with 2 replica(s) on devices ('cpu:0', 'cpu:1')") == 1
+    _assert_no_orphans(tmp_path)
+
+
+def test_a_failing_replica_ends_the_job_with_its_exit_code(tmp_path):
+    start = time.monotonic()
+    result = _run("child_exit", tmp_path)
+    assert result.returncode == 3, result.stderr
+    assert "replica 1 exited with code 3" in result.stderr
+    assert time.monotonic() - start < 60  # not the collective timeout
+    _assert_no_orphans(tmp_path)
+
+
+def test_replica_zero_failing_stops_the_others(tmp_path):
+    start = time.monotonic()
+    result = _run("parent_raise", tmp_path)
+    assert result.returncode != 0
+    assert "replica 0 fails on purpose" in result.stderr
+    assert time.monotonic() - start < 60
+    _assert_no_orphans(tmp_path)
+
+
+def test_ctrl_c_stops_every_replica(tmp_path):
+    process = subprocess.Popen([sys.executable, SCRIPT, "hang_until_signal", str(tmp_path)],
+                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not all(
+            os.path.exists(tmp_path / f"ready{r}") for r in range(2)):
+        time.sleep(0.1)
+    assert all(os.path.exists(tmp_path / f"ready{r}") for r in range(2))
+    os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    process.communicate(timeout=60)
+    assert process.returncode != 0
+    _assert_no_orphans(tmp_path)
+
+
+def test_sigkill_of_replica_zero_takes_the_others_down(tmp_path):
+    process = subprocess.Popen([sys.executable, SCRIPT, "hang_until_signal", str(tmp_path)],
+                               env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not all(
+            os.path.exists(tmp_path / f"ready{r}") for r in range(2)):
+        time.sleep(0.1)
+    process.kill()
+    process.wait(timeout=30)
+    _assert_no_orphans(tmp_path)
+
+
+def test_torchrun_world_is_taken(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                             "--standalone", SCRIPT, "torchrun", str(tmp_path)],
+                            env=_env(), capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    weights = _weights(tmp_path)
+    assert weights[0].startswith("2 [") and weights[0] == weights[1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the default is every GPU there")
+def test_without_gpus_the_default_is_one_cpu_replica_and_one_log_line():
+    code = ("import torchstrategy as ts; s = ts.MirroredStrategy(); "
+            "print(s.num_replicas_in_sync, s.extended.worker_devices)")
+    result = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "1 (device(type='cpu'),)"
+    assert result.stderr.strip() == \
+        "torchstrategy: MirroredStrategy with 1 replica(s) on devices ('cpu:0',)"

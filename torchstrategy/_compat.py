@@ -1,0 +1,111 @@
+"""The only module that touches private APIs of torch, torch_xla, Lightning and torch's rpc.
+
+Each function below wraps one private API, says why the public API does not serve, and
+names the versions it was checked against. A torch (or torch_xla, or Lightning) upgrade
+therefore touches this file alone: run the suite, and where a function breaks, fix it here.
+
+Checked against: torch 2.13.0 (CPU; the core environment), torch 2.9.0 with torch_xla 2.9.0
+(the xla environment), torch 2.11 (+cu130, the GPU reference machine: reviewed, same code
+paths), lightning / pytorch-lightning 2.5-2.6. The C++ side has its own equivalent,
+csrc/compat.h.
+"""
+import torch.distributed as dist
+from torch.distributed import rpc
+from torch.utils import _pytree
+
+# -- torch.utils._pytree (torch 2.4 - 2.13) -------------------------------------------
+# torch's own structure library: flattening here matches what torch.compile and
+# torch.distributed see. `torch.utils.pytree` (public) exists only from torch 2.6 and
+# lacks nothing we use, but the xla environment's torch 2.9 and older torches all have
+# the private module with the same functions.
+tree_flatten = _pytree.tree_flatten
+tree_unflatten = _pytree.tree_unflatten
+tree_map = _pytree.tree_map
+
+
+# -- c10d (torch 2.4 - 2.13) --------------------------------------------------------
+def default_process_group():
+    """The default `ProcessGroup` object (the C++ reducer launches on it directly).
+
+    `torch.distributed.group.WORLD` is the public handle, but in torch <= 2.13 it is a
+    proxy that C++ bindings do not accept as a `c10d::ProcessGroup`; the private getter
+    returns the real object.
+    """
+    return dist.distributed_c10d._get_default_group()
+
+
+def default_store():
+    """The default group's rendezvous store (`None` when there is none), for the roll call
+    that names the replicas missing after a failed collective. There is no public getter."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):  # no default group (yet, or any more)
+        return None
+
+
+# -- tensors (torch 2.4 - 2.13) ------------------------------------------------------
+def tensor_use_count(tensor):
+    """How many owners the tensor's storage handle has (`Tensor._use_count`): > 1 while a
+    backend thread still holds a buffer a collective was given. No public equivalent."""
+    return tensor._use_count()
+
+
+# -- nn.Module (torch 2.4 - 2.13) ----------------------------------------------------
+def module_buffer(module, name):
+    """The buffer `name` registered directly on `module` (None if absent or None).
+
+    `module.get_buffer` raises for a buffer set to None and walks dotted paths; reading the
+    registry directly gives the tensor registered right now, which a module may replace
+    (BatchNorm's ``num_batches_tracked``) after we recorded it.
+    """
+    return module._buffers.get(name)
+
+
+def module_persistent_buffers(module):
+    """(name, tensor) of the buffers registered directly on `module` that its
+    ``state_dict()`` saves (non-persistent ones excluded), in registration order."""
+    return [(name, tensor) for name, tensor in module._buffers.items()
+            if tensor is not None and name not in module._non_persistent_buffers_set]
+
+
+# -- torch.optim (torch 2.4 - 2.13) --------------------------------------------------
+def mark_optimizer_stepped(optimizer):
+    """Tells torch's LR schedulers that `optimizer.step()` ran (it ran on the parameter
+    servers, not here), so they do not warn that the scheduler stepped first."""
+    optimizer._opt_called = True
+
+
+# -- torch.distributed.rpc (torch 2.4 - 2.13) ----------------------------------------
+def current_rpc_agent():
+    """This process's rpc agent. Dynamic membership (a worker that rejoins, a dead worker
+    dropped) has no public API: the agent's worker registry is read and updated directly."""
+    return rpc.api._get_current_rpc_agent()
+
+
+# -- torch_xla (2.9.0) -----------------------------------------------------------------
+def xla_local_shards(tensor):
+    """The local shards of a sharded XLA tensor and, for each, (replica, index) of where it
+    sits in the global tensor. torch_xla 2.9 has no public accessor for both."""
+    import torch_xla  # optional dependency: only the TPU strategy calls this
+
+    shards = torch_xla._XLAC._get_local_shards([tensor])[0]
+    places = torch_xla._XLAC._get_local_shard_replica_and_indices([tensor])[0]
+    return shards, places
+
+
+def xla_sharding_spec(tensor):
+    """The sharding annotation of an XLA tensor as text ('' when replicated/unsharded)."""
+    import torch_xla  # optional dependency: only the TPU strategy calls this
+
+    return torch_xla._XLAC._get_xla_sharding_spec(tensor)
+
+
+# -- Lightning (2.5 - 2.6; both `lightning.pytorch` and `pytorch_lightning`) --------------
+def lightning_multiprocessing_launcher(package):
+    """Lightning's own spawn launcher class (`_MultiProcessingLauncher`) in `package`
+    ("lightning.pytorch" or "pytorch_lightning"): the notebook-mode adapter starts its
+    replicas with it, as Lightning's ddp_notebook does. It is private in every release."""
+    import importlib  # Lightning is optional: imported only by the adapter, on use
+
+    launchers = importlib.import_module(f"{package}.strategies.launchers.multiprocessing")
+    return launchers._MultiProcessingLauncher

@@ -1,0 +1,249 @@
+"""The process's distributed lifetime, owned by one object: `Runtime` (``current()``).
+
+A process joins at most one distributed world, whichever strategies it creates. The runtime
+holds everything about that membership that must outlive a single strategy object:
+
+- the `World` this process found or established (rank, world size, launcher, store);
+- the re-execution supervisor, when a plain ``python train.py`` became N replicas;
+- the default process group it initialised (or adopted), always under a timeout;
+- the buffers collectives handed to a backend thread, kept alive until released;
+- the gradient reducers whose C++ cores reference the process group;
+- state and clean-up of higher layers (parameter-server services, sub-groups), registered
+  with `state` and `on_shutdown`, so that no module keeps distributed state of its own.
+
+Shutdown happens once, at interpreter exit (or `shutdown()`), in this order:
+
+1. ``on_shutdown`` callbacks, last registered first (rpc services, sub-groups);
+2. on re-execution's replica 0: wait for the other replicas (their exit code decides the
+   job's), releasing our end of the group if they take too long;
+3. wait until the backend let go of every held buffer; close every reducer's C++ core;
+4. destroy the default process group, while the interpreter is still whole (a group left
+   to teardown can abort the process: "terminate called without an active exception").
+
+Nothing happens at import: the first strategy that needs a world creates the runtime; no
+thread, socket or exit handler exists before.
+"""
+import datetime
+import logging
+import os
+import threading
+import time
+import atexit
+import weakref
+
+import torch.distributed as dist
+
+from torchstrategy import _compat
+from torchstrategy.launch import reexec
+from torchstrategy.launch import world as world_lib
+
+logger = logging.getLogger("torchstrategy")
+
+
+class Runtime:
+    """This process's membership in a distributed world (see the module docstring).
+
+    Obtain it with ``torchstrategy.runtime.current()``; never construct one yourself.
+    """
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self._world = None
+        self._supervisor = None
+        self._watching_parent = False
+        self._owns_group = False
+        self._held = []
+        self._held_lock = threading.Lock()
+        self._reducers = weakref.WeakSet()
+        self._callbacks = []          # (name, fn) run at shutdown, last first
+        self._installed = set()       # keys of one-time process-wide installs
+        self._state = {}              # key -> state object of a higher layer
+        self._exit_handler_registered = False
+        self._shut_down = False
+
+    # -- the world ------------------------------------------------------------------
+    @property
+    def world(self):
+        """The `World` this process belongs to, or None before any strategy made one."""
+        return self._world
+
+    def adopt_world(self, world):
+        """Records `world` as this process's world (a second strategy joins it instead of
+        launching again). Re-executed replicas start watching their replica 0 here."""
+        with self._lock:
+            self._world = world
+            if world.launcher == "reexec" and world.rank > 0 and not self._watching_parent:
+                self._watching_parent = True
+                reexec.watch_parent()
+        return world
+
+    def start_local_replicas(self, num_replicas, timeout_seconds, **multi_machine):
+        """Becomes replica 0 of `num_replicas` local replicas by re-executing this program
+        (see `torchstrategy.launch.reexec.start_local_replicas`); returns the `World`."""
+        with self._lock:
+            world, supervisor = reexec.start_local_replicas(num_replicas, timeout_seconds,
+                                                            **multi_machine)
+            if supervisor is not None:
+                self._supervisor = supervisor
+                supervisor.install_excepthook()
+                self._register_exit_handler()
+            return self.adopt_world(world)
+
+    # -- the process group ------------------------------------------------------------
+    def init_process_group(self, world, backend, timeout_seconds):
+        """Creates (or adopts) the default process group for `world`; returns None, which
+        torch.distributed reads as "the default group".
+
+        A group created beforehand (``dist.init_process_group``) is adopted if its size
+        matches. Every collective on the group is bounded by `timeout_seconds`. No Python
+        reference to the group object is kept: one referenced into interpreter teardown is
+        destroyed in the wrong order and can abort the process.
+
+        Raises:
+          RuntimeError: an existing group whose size disagrees with `world`.
+        """
+        if dist.is_initialized():
+            if dist.get_world_size() != world.world_size:
+                raise RuntimeError(
+                    f"torch.distributed is already initialised with world size "
+                    f"{dist.get_world_size()}, but this strategy needs {world.world_size} "
+                    "replicas. Create the strategy with matching devices, or destroy the "
+                    "existing process group first.")
+            return None
+        timeout = datetime.timedelta(seconds=timeout_seconds)
+        with self._lock:
+            self._owns_group = True
+            self._register_exit_handler()
+        if world.launcher == "torchrun":
+            dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        else:
+            store = world.store if world.store is not None else dist.TCPStore(
+                world.master_addr, world.master_port, world.world_size, is_master=False,
+                timeout=timeout)
+            dist.init_process_group(backend, store=store, rank=world.rank,
+                                    world_size=world.world_size, timeout=timeout)
+        return None
+
+    def release_process_group(self):
+        """Destroys the default process group if there is one (idempotent), once the backend
+        has let go of every buffer our collectives gave it and no reducer references it."""
+        self.wait_until_released()
+        for reducer in list(self._reducers):
+            reducer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- buffers in flight -----------------------------------------------------------
+    def hold(self, *buffers):
+        """Keeps `buffers` referenced until no collective uses them any more.
+
+        gloo's worker thread drops its reference to a finished collective a moment after
+        ``wait()`` returns; if Python had already dropped the buffer, that last release
+        needs the GIL from the worker thread, which aborts the process when it happens
+        during interpreter shutdown.
+        """
+        with self._held_lock:
+            self._held[:] = [b for b in self._held if _compat.tensor_use_count(b) > 1]
+            self._held.extend(buffers)
+
+    def wait_until_released(self, timeout_seconds=10.0):
+        """Waits (bounded) until the backend has released every held buffer; returns
+        whether it did."""
+        deadline = time.monotonic() + timeout_seconds
+        while True:
+            with self._held_lock:
+                self._held[:] = [b for b in self._held if _compat.tensor_use_count(b) > 1]
+                if not self._held:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+
+    # -- reducers ---------------------------------------------------------------------
+    def track_reducer(self, reducer):
+        """`reducer.close()` is called before the process group is destroyed."""
+        self._reducers.add(reducer)
+
+    # -- higher layers' state and clean-up ----------------------------------------------
+    def state(self, key, factory):
+        """The per-process state object of a higher layer, created by `factory()` on first
+        use (e.g. the parameter-server's variables on a server process)."""
+        with self._lock:
+            if key not in self._state:
+                self._state[key] = factory()
+            return self._state[key]
+
+    def install_once(self, key, install):
+        """Calls `install()` the first time `key` is seen in this process (process-wide
+        hooks, e.g. torch's global module registration hooks)."""
+        with self._lock:
+            if key in self._installed:
+                return
+            install()
+            self._installed.add(key)
+
+    def on_shutdown(self, name, callback):
+        """Runs `callback()` at shutdown, before the process group is released; callbacks
+        run last registered first. Registering the same `name` again replaces nothing and
+        adds nothing."""
+        with self._lock:
+            if any(n == name for n, _ in self._callbacks):
+                return
+            self._callbacks.append((name, callback))
+            self._register_exit_handler()
+
+    # -- shutdown ---------------------------------------------------------------------
+    def shutdown(self):
+        """Ends this process's distributed life in the documented order (idempotent)."""
+        with self._lock:
+            if self._shut_down:
+                return
+            self._shut_down = True
+            callbacks = list(reversed(self._callbacks))
+            supervisor = self._supervisor
+            owns_group = self._owns_group
+        for name, callback in callbacks:
+            try:
+                callback()
+            except Exception as error:  # one failing clean-up must not skip the others
+                logger.warning(f"clean-up {name!r} failed at exit: {error}")
+        if supervisor is not None:
+            # Replica 0 of a re-executed job: the other replicas still use the group; the
+            # supervisor releases it once they finished (or after a bound).
+            supervisor.at_exit(self.release_process_group)
+        elif owns_group:
+            self.release_process_group()
+
+    def _register_exit_handler(self):
+        if not self._exit_handler_registered:
+            self._exit_handler_registered = True
+            atexit.register(self.shutdown)
+
+
+class _Holder:
+    """The process's runtime, re-made in a forked child (which is another process)."""
+
+    def __init__(self):
+        self.pid = None
+        self.runtime = None
+
+
+_holder = _Holder()
+_holder_lock = threading.Lock()
+
+
+def current():
+    """This process's `Runtime` (created on first use)."""
+    with _holder_lock:
+        if _holder.runtime is None or _holder.pid != os.getpid():
+            _holder.runtime = Runtime()
+            _holder.pid = os.getpid()
+        return _holder.runtime
+
+
+def world_from_environment():
+    """The world a launcher described in the environment (torchrun, ts.launch,
+    re-execution), or the world this process already joined, or None for a plain
+    process."""
+    runtime = current()
+    return runtime.world or world_lib.from_environment()
