@@ -9,6 +9,7 @@ Checked against: torch 2.13.0 (CPU; the core environment), torch 2.9.0 with torc
 paths), lightning / pytorch-lightning 2.5-2.6. The C++ side has its own equivalent,
 csrc/compat.h.
 """
+import torch
 import torch.distributed as dist
 from torch.distributed import rpc
 from torch.utils import _pytree
@@ -21,6 +22,7 @@ from torch.utils import _pytree
 tree_flatten = _pytree.tree_flatten
 tree_unflatten = _pytree.tree_unflatten
 tree_map = _pytree.tree_map
+tree_map_only = _pytree.tree_map_only
 
 
 # -- c10d (torch 2.4 - 2.13) --------------------------------------------------------
@@ -48,6 +50,15 @@ def tensor_use_count(tensor):
     """How many owners the tensor's storage handle has (`Tensor._use_count`): > 1 while a
     backend thread still holds a buffer a collective was given. No public equivalent."""
     return tensor._use_count()
+
+
+# -- autograd (torch 2.4 - 2.13) ----------------------------------------------------
+def queue_autograd_callback(callback):
+    """Runs `callback()` when the backward pass now executing has finished (all gradients of
+    this pass accumulated). Only legal inside a backward hook. The execution engine's
+    ``queue_callback`` is the only way to act at the end of a backward pass; there is no
+    public API for it (DDP uses the same engine call from C++)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 # -- nn.Module (torch 2.4 - 2.13) ----------------------------------------------------
@@ -109,3 +120,51 @@ def lightning_multiprocessing_launcher(package):
 
     launchers = importlib.import_module(f"{package}.strategies.launchers.multiprocessing")
     return launchers._MultiProcessingLauncher
+
+
+# -- torch.distributed.rpc, parameter-server membership (torch 2.13.0) -----------------
+def rpc_forget_member(agent, name, rank):
+    """Removes the dead member `name` (`rank`) from `agent`'s worker registry, so a restarted
+    process with the same name can join. torch has no public API to leave a dynamic rpc
+    group on behalf of a dead peer; `_update_group_membership(info, [], {}, False)` is what
+    the agent itself calls when a member leaves (checked: torch 2.13.0)."""
+    agent._update_group_membership(rpc.WorkerInfo(name, rank), [], {}, False)
+
+
+def reset_rpc_init_counter():
+    """Resets the count of ``init_rpc`` calls in this process. rpc keeps a group's state in
+    the store under ``rpc_prefix_<count>/``; every member of one cluster must use the same
+    prefix, and a process that joined a cluster before would otherwise use another one.
+    No public API (checked: torch 2.13.0, `torch.distributed.rpc._init_counter`)."""
+    rpc._init_counter = 0
+
+
+def tensorpipe_tcp_options(init_method, rpc_timeout, num_worker_threads):
+    """TensorPipe options restricted to the "uv" (TCP) transport and the "basic" channel, so
+    an rpc world opens nothing but TCP listeners on the chosen interface. The transport and
+    channel lists are private keyword arguments (`_transports`, `_channels`; checked: torch
+    2.13.0)."""
+    return rpc.TensorPipeRpcBackendOptions(
+        init_method=init_method, rpc_timeout=rpc_timeout,
+        num_worker_threads=num_worker_threads, _transports=["uv"], _channels=["basic"])
+
+
+def lightning_optimizers_to_device(package, optimizers, device):
+    """Moves the optimizers' state to `device`, as Lightning's own strategies do after
+    ``setup_optimizers`` (``_optimizers_to_device`` of lightning.fabric /
+    lightning_fabric, private in every release)."""
+    import importlib  # Lightning is optional: imported only by the adapter, on use
+
+    fabric = {"lightning.pytorch": "lightning.fabric",
+              "pytorch_lightning": "lightning_fabric"}[package]
+    importlib.import_module(f"{fabric}.utilities.optimizer")._optimizers_to_device(
+        optimizers, device)
+
+
+def lightning_restore_from_checkpoint(trainer, path):
+    """Starts Lightning's resume (what ``fit(ckpt_path=path)`` does) from a callback's
+    ``setup``, where the path is first known: loads the checkpoint and restores model and
+    callbacks; the Trainer then restores loops, optimizers and schedulers from it. The
+    checkpoint connector is private in every release. weights_only=False: the backup holds
+    NumPy's generator state, and it is the job's own file."""
+    trainer._checkpoint_connector._restore_modules_and_callbacks(path, weights_only=False)

@@ -36,19 +36,28 @@ import torch
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
+
+from torchstrategy import _compat, runtime
 
 # The functions torch passes to a mode for ``t.grad`` and ``t.grad = g`` (method-wrappers:
 # a new object at every access, so they are compared with ==).
 _GRAD_GET = torch.Tensor.grad.__get__
 _GRAD_SET = torch.Tensor.grad.__set__
 
-_local = threading.local()
+# Keys of this module's per-process state in `torchstrategy.runtime` (torch's optimizer
+# hooks are process-wide, so which replica a thread runs is process-wide state too).
+_REPLICA_THREADS = "central_storage/replica-of-thread"
+_OPTIMIZER_HOOKS = "central_storage/optimizer-step-hooks"
+
+
+def _threads():
+    """This process's thread-local record of the replica each thread runs."""
+    return runtime.current().state(_REPLICA_THREADS, threading.local)
 
 
 def current_replica():
     """The `ReplicaReads` of the replica this thread runs, or None outside replica threads."""
-    return getattr(_local, "replica", None)
+    return getattr(_threads(), "replica", None)
 
 
 def central_view():
@@ -70,6 +79,7 @@ class ReplicaReads(TorchFunctionMode):
         self.grads = {}          # id(central parameter) -> this replica's view of .grad
         self._suspended = 0      # >0: operations see the central tensors themselves
         self._hide_grads = 0     # >0: every .grad reads None (a non-chief optimizer.step)
+        self.step_guards = []    # guards of the optimizer.step() calls in progress
 
     def suspended(self):
         return _Counter(self, "_suspended")
@@ -95,15 +105,15 @@ class ReplicaReads(TorchFunctionMode):
                 self.grads[key] = args[1]
                 return None
             return func(*args)
-        args, kwargs = pytree.tree_map_only(torch.Tensor, self._read, (args, kwargs))
+        args, kwargs = _compat.tree_map_only(torch.Tensor, self._read, (args, kwargs))
         return func(*args, **kwargs)
 
     def __enter__(self):
-        _local.replica = self
+        _threads().replica = self
         return super().__enter__()
 
     def __exit__(self, *exc):
-        _local.replica = None
+        _threads().replica = None
         return super().__exit__(*exc)
 
 
@@ -186,8 +196,7 @@ class RunSession:
         # the whole backward pass has finished in this replica.
         if not self._queued[replica_id]:
             self._queued[replica_id] = True
-            torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: self._end_of_backward(replica_id))
+            _compat.queue_autograd_callback(lambda: self._end_of_backward(replica_id))
 
     def _end_of_backward(self, replica_id):
         self._queued[replica_id] = False
@@ -277,23 +286,18 @@ class RunSession:
                 b.copy_(copies[0])
 
 
-_hooks_installed = False
-_hooks_lock = threading.Lock()
-
-
 def install_optimizer_hooks():
     """Makes ``optimizer.step()`` inside a replica thread apply its update once (see the
-    module docstring); everywhere else the hooks do nothing."""
-    global _hooks_installed
-    with _hooks_lock:
-        if _hooks_installed:
-            return
-        register_optimizer_step_pre_hook(_before_step)
-        register_optimizer_step_post_hook(_after_step)
-        _hooks_installed = True
+    module docstring); everywhere else the hooks do nothing. Installed once per process."""
+    runtime.current().install_once(_OPTIMIZER_HOOKS, _register_optimizer_hooks)
 
 
-def _before_step(optimizer, args, kwargs):
+def _register_optimizer_hooks():
+    register_optimizer_step_pre_hook(_optimizer_step_begins)
+    register_optimizer_step_post_hook(_optimizer_step_ends)
+
+
+def _optimizer_step_begins(optimizer, args, kwargs):
     replica = current_replica()
     if replica is None:
         return None
@@ -303,11 +307,11 @@ def _before_step(optimizer, args, kwargs):
                          "in the step function, then optimizer.step() without a closure.")
     guard = replica.session.before_step(replica)
     guard.__enter__()
-    replica.step_guards = getattr(replica, "step_guards", []) + [guard]
+    replica.step_guards.append(guard)
     return None
 
 
-def _after_step(optimizer, args, kwargs):
+def _optimizer_step_ends(optimizer, args, kwargs):
     replica = current_replica()
     if replica is None:
         return

@@ -12,17 +12,22 @@ import contextlib
 import torch
 
 from torchstrategy import context, mirroring, nest, values
+from torchstrategy.aggregation import VariableAggregation
 from torchstrategy.collectives.communicator import Communicator
 from torchstrategy.collectives.cross_device_ops import NcclAllReduce
+from torchstrategy.communication_options import (CommunicationImplementation,
+                                                  CommunicationOptions)
 from torchstrategy.devices import default_local_devices, parse_device, parse_devices
+from torchstrategy.input.contexts import ValueContext
+from torchstrategy.input.per_host import PerHostDataset, PerHostDatasetsFromFunction
 from torchstrategy.launch import world as world_lib
 from torchstrategy.reduce_op import ReduceOp, as_reduce_op
 from torchstrategy.replica_context import ReplicaContext
 from torchstrategy.strategies import central_reads
-from torchstrategy.strategies.base import (Strategy, StrategyExtended, _check_not_mixing,
-                                           logger)
-from torchstrategy.strategies.spmd import destination_device as _destination_device
+from torchstrategy.strategies.base import Strategy, StrategyExtended, logger
 from torchstrategy.strategies.replica_threads import ReplicaGroup, run_replicas
+from torchstrategy.strategies.spmd import destination_device
+from torchstrategy.variables import SyncOnReadVariable
 
 
 def _sum_in_order(tensors, device):
@@ -55,6 +60,8 @@ class _ThreadCommunicator:
     def __init__(self, parameter_device):
         self.device = parameter_device
         self.cross_device_ops = NcclAllReduce()
+        # Cross-replica code: the process holds one value, a world of one.
+        self._alone = Communicator(None, 0, 1, parameter_device, self.cross_device_ops)
 
     @staticmethod
     def _replica():
@@ -79,13 +86,13 @@ class _ThreadCommunicator:
         return replica.session.group.rendezvous(replica.replica_id, what, value,
                                                 action and in_central_view)
 
-    def all_reduce(self, tensors, op, inplace=False):
+    def all_reduce(self, tensors, op, inplace=False, options=None):
+        _refuse_options(options, "all_reduce")
         op = as_reduce_op(op)
         tensors = list(tensors)
         replica = self._replica()
         if replica is None:
-            return Communicator(None, 0, 1, self.device, self.cross_device_ops) \
-                .all_reduce(tensors, op, inplace)
+            return self._alone.all_reduce(tensors, op, inplace)
         reduced = self._meet("all_reduce", tensors, lambda parts: [
             _reduce_components(op, [p[i] for p in parts], self.device)
             for i in range(len(tensors))])
@@ -97,7 +104,8 @@ class _ThreadCommunicator:
             return tensors
         return results
 
-    def all_gather(self, tensors, axis):
+    def all_gather(self, tensors, axis, options=None):
+        _refuse_options(options, "all_gather")
         tensors = list(tensors)
         if self._replica() is None:
             return [t.clone() for t in tensors]
@@ -155,17 +163,29 @@ class _CentralReplicaContext(ReplicaContext):
 
 
 class CentralStorageExtended(StrategyExtended):
-    """`StrategyExtended` of a `CentralStorageStrategy` (one process, N replica threads)."""
+    """`StrategyExtended` of a `CentralStorageStrategy`: one process, one copy of every
+    parameter on the parameter device, N replicas running in threads (see the module
+    docstring).
+
+    Facts: `replica_id` is 0 (the process is the chief), `torch_device` and
+    `parameter_devices` are the parameter device, `worker_devices` the compute devices,
+    `communicator` meets the replica threads of a ``run`` (and is local outside one).
+    """
 
     def __init__(self, container, compute_devices, parameter_device, timeout_seconds):
-        communicator = Communicator(None, 0, 1, parameter_device, NcclAllReduce())
-        super().__init__(container, communicator, parameter_device)
+        super().__init__(container)
         self._compute_devices = tuple(compute_devices)
         self._parameter_device = parameter_device
         self._timeout = timeout_seconds
+        self._mirrored = mirroring.MirroredState()
         self._threads = _ThreadCommunicator(parameter_device)
         # One replica computing where the parameters are needs no thread and no copies.
         self._threaded = len(compute_devices) > 1 or compute_devices[0] != parameter_device
+
+    # -- facts ---------------------------------------------------------------------------
+    @property
+    def replica_id(self):
+        return 0
 
     @property
     def num_replicas_in_sync(self):
@@ -180,40 +200,64 @@ class CentralStorageExtended(StrategyExtended):
         return (self._parameter_device,)
 
     @property
+    def torch_device(self):
+        """The parameter device: where modules and variables created in the scope live."""
+        return self._parameter_device
+
+    @property
     def communicator(self):
         return self._threads
 
-    # -- variables -------------------------------------------------------------------
-    def _check_variable(self, variable):
-        from torchstrategy.variables import SyncOnReadVariable
+    # -- running ---------------------------------------------------------------------------
+    def default_replica_context(self):
+        return ReplicaContext(self._container, 0, self._parameter_device)
 
-        if self._threaded and isinstance(variable, SyncOnReadVariable):
-            raise ValueError("CentralStorageStrategy does not support SyncOnReadVariable "
-                             "(synchronization=ON_READ) yet: return the per-replica values "
-                             "from strategy.run and combine them with strategy.reduce.")
+    def call_for_each_replica(self, fn, args, kwargs):
+        """Runs `fn` once per compute device, each in its own thread and replica context,
+        and waits for all of them (in this thread, without copies, when the only replica
+        computes on the parameter device).
 
-    def _write_variable(self, variable, new_value):
-        replica = central_reads.current_replica()
-        if replica is None or replica.session.strategy is not self._container:
-            return super()._write_variable(variable, new_value)
-        from torchstrategy.variables import VariableAggregation
+        Inside `fn`, the central parameters read as the replica's copies;
+        ``loss.backward()`` ends with the SUM of all replicas' gradients in ``param.grad``;
+        ``optimizer.step()`` updates the central parameters once. Every replica must reach
+        the same synchronisation points (backward, optimizer.step, all_reduce, merge_call)
+        in the same order.
 
-        if variable.aggregation is VariableAggregation.NONE and self.num_replicas_in_sync > 1:
-            raise ValueError(
-                f"Variable {variable.name!r} is updated inside strategy.run, but its "
-                "aggregation is NONE: under CentralStorageStrategy the variable exists once, "
-                "so the replicas' updates must be combined. Create it with aggregation="
-                "ts.VariableAggregation.SUM, MEAN or ONLY_FIRST_REPLICA.")
-        tensor = variable.tensor
+        Raises:
+          The first failing replica's exception; the other replicas are released from any
+          synchronisation point and stop. `CollectiveError` when a replica does not reach a
+          synchronisation point within the timeout.
+        """
+        self.synchronize_mirrored_state()
+        if not self._threaded:
+            replica = ReplicaContext(self._container, 0, self._parameter_device)
+            with context.enter(self._container, replica), _device_guard(self._parameter_device):
+                return fn(*values.local_component(args), **values.local_component(kwargs))
+        devices = self._compute_devices
+        n = len(devices)
+        group = ReplicaGroup(n, self._timeout)
+        session = central_reads.RunSession(group, self._mirrored.parameters,
+                                           self._mirrored.buffers(), devices,
+                                           self._parameter_device)
+        session.strategy = self._container
 
-        def write_once(new_values):     # aggregated: every replica holds the same value
-            with central_reads.central_view(), torch.no_grad():
-                tensor.copy_(torch.as_tensor(new_values[0], dtype=tensor.dtype)
-                             .to(tensor.device))
-        replica.session.group.rendezvous(replica.replica_id, "a variable update",
-                                         new_value, write_once)
+        def replica_fn(r):
+            replica = _CentralReplicaContext(self._container, r, devices[r])
+            with context.enter(self._container, replica), _device_guard(devices[r]), \
+                    session.replicas[r]:
+                return fn(*values.local_component(args, r),
+                          **values.local_component(kwargs, r))
 
-    # -- values ----------------------------------------------------------------------
+        try:
+            results = run_replicas(group, replica_fn)
+        finally:
+            session.close()
+        session.write_back()
+        if n == 1:
+            return results[0]
+        return values.wrap(results, tuple(range(n)))
+
+    # -- cross-replica reductions (one process holds every replica's value) ---------------
     def _components(self, value):
         """(components, distributed?) of one leaf, on the parameter device."""
         if isinstance(value, values.DistributedValues):
@@ -222,7 +266,9 @@ class CentralStorageExtended(StrategyExtended):
             value = torch.as_tensor(value)
         return [value.to(self._parameter_device)], False
 
-    def _reduce(self, reduce_op, value, axis):
+    def reduce_across_replicas(self, reduce_op, value, axis):
+        """The reduction of the replicas' components, added in replica order on the
+        parameter device."""
         op = as_reduce_op(reduce_op)
         leaves, spec = nest.flatten(value)
         out = []
@@ -251,7 +297,9 @@ class CentralStorageExtended(StrategyExtended):
             out.append(total)
         return nest.pack(spec, out)
 
-    def _gather(self, value, axis):
+    def gather_across_replicas(self, value, axis):
+        """The replicas' components concatenated along `axis`, in replica order, on the
+        parameter device (sizes along `axis` may differ)."""
         leaves, spec = nest.flatten(value)
         out = []
         for index, leaf in enumerate(leaves):
@@ -262,23 +310,134 @@ class CentralStorageExtended(StrategyExtended):
             out.append(torch.cat(parts, dim=axis))
         return nest.pack(spec, out)
 
-    def _all_reduce_local(self, reduce_op, value):
-        tensors, spec = self._local_tensors(value, "all_reduce")
-        return nest.pack(spec, self._threads.all_reduce(tensors, as_reduce_op(reduce_op)))
-
-    def _all_gather_local(self, value, axis):
-        tensors, spec = self._local_tensors(value, "all_gather")
-        return nest.pack(spec, self._threads.all_gather(tensors, axis))
+    def local_results(self, value):
+        """Every replica's component (this process runs them all); a structure gives one
+        structure per replica."""
+        if isinstance(value, values.DistributedValues):
+            return value.values
+        leaves, _ = nest.flatten(value)
+        if not any(isinstance(leaf, values.DistributedValues) for leaf in leaves):
+            return (value,)
+        return tuple(values.local_component(value, r)
+                     for r in range(self.num_replicas_in_sync))
 
     def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
         """Reduces each value across replicas onto its destination (default: the
         parameter device); returns plain tensors (the process holds one copy)."""
+        _refuse_options(options, "batch_reduce_to / reduce_to")
         results = []
         for value, destinations in value_destination_pairs:
-            device = _destination_device(destinations) or self._parameter_device
-            reduced = self._reduce(reduce_op, value, None)
+            device = destination_device(destinations) or self._parameter_device
+            reduced = self.reduce_across_replicas(reduce_op, value, None)
             results.append(nest.map_structure(lambda t: t.to(device), reduced))
         return results
+
+    # -- collectives in replica context (a rendezvous of the replica threads) -------------
+    def _local_tensors(self, value, what):
+        replica = central_reads.current_replica()
+        index = 0 if replica is None else replica.replica_id
+        return nest.tensor_leaves(values.local_component(value, index), what)
+
+    def replica_all_reduce(self, reduce_op, value, options=None):
+        _refuse_options(options, "all_reduce")
+        tensors, spec = self._local_tensors(value, "all_reduce")
+        return nest.pack(spec, self._threads.all_reduce(tensors, as_reduce_op(reduce_op)))
+
+    def replica_all_gather(self, value, axis, options=None):
+        _refuse_options(options, "all_gather")
+        tensors, spec = self._local_tensors(value, "all_gather")
+        return nest.pack(spec, self._threads.all_gather(tensors, axis))
+
+    # -- the scope: one copy, on the parameter device ---------------------------------------
+    def scope_placement(self):
+        if self._parameter_device.type != "cpu":
+            return self._parameter_device
+        return contextlib.nullcontext()
+
+    def record_parameter(self, module, name, param):
+        self._mirrored.add_parameter(param)
+
+    def record_buffer(self, module, name):
+        self._mirrored.add_buffer(module, name)
+
+    def record_variable(self, variable):
+        self._mirrored.add_tensor(variable.tensor, variable.trainable)
+
+    def synchronize_mirrored_state(self):
+        """Takes what the scope recorded into the replicas' reads: there is one copy of
+        each tensor, so nothing is sent anywhere (``run`` copies the parameters and buffers
+        it finds recorded to each compute device)."""
+        self._mirrored.take_pending()
+
+    # -- variables ---------------------------------------------------------------------
+    def check_variable(self, variable):
+        if self._threaded and isinstance(variable, SyncOnReadVariable):
+            raise ValueError("CentralStorageStrategy does not support SyncOnReadVariable "
+                             "(synchronization=ON_READ) yet: return the per-replica values "
+                             "from strategy.run and combine them with strategy.reduce.")
+
+    def write_variable(self, variable, new_value):
+        """Writes the central tensor; inside ``run`` the replicas' (aggregated, hence equal)
+        values are written once, when every replica has arrived."""
+        tensor = variable.tensor
+        replica = central_reads.current_replica()
+        if replica is None or replica.session.strategy is not self._container:
+            with torch.no_grad():
+                tensor.copy_(torch.as_tensor(new_value, dtype=tensor.dtype,
+                                             device=tensor.device))
+            return
+        if variable.aggregation is VariableAggregation.NONE and self.num_replicas_in_sync > 1:
+            raise ValueError(
+                f"Variable {variable.name!r} is updated inside strategy.run, but its "
+                "aggregation is NONE: under CentralStorageStrategy the variable exists once, "
+                "so the replicas' updates must be combined. Create it with aggregation="
+                "ts.VariableAggregation.SUM, MEAN or ONLY_FIRST_REPLICA.")
+
+        def write_once(new_values):     # aggregated: every replica holds the same value
+            with central_reads.central_view(), torch.no_grad():
+                tensor.copy_(torch.as_tensor(new_values[0], dtype=tensor.dtype)
+                             .to(tensor.device))
+        replica.session.group.rendezvous(replica.replica_id, "a variable update",
+                                         new_value, write_once)
+
+    # -- input -------------------------------------------------------------------------
+    def distribute_dataset(self, dataset, options):
+        """Splits each *global* batch along dim 0 over the replicas (see
+        `torchstrategy.input.per_host.PerHostDataset`)."""
+        return PerHostDataset(dataset, self._compute_devices, options)
+
+    def distribute_datasets_from_function(self, dataset_fn, options):
+        """Calls ``dataset_fn(ts.InputContext)`` once; its per-replica batches go to
+        replicas 0, 1, ... in turn (see `torchstrategy.input.per_host`)."""
+        return PerHostDatasetsFromFunction(dataset_fn, self._compute_devices, options)
+
+    def distribute_values_from_function(self, value_fn):
+        n = self.num_replicas_in_sync
+        parts = [value_fn(ValueContext(r, n)) for r in range(n)]
+        return parts[0] if n == 1 else values.wrap(parts, tuple(range(n)))
+
+
+def _device_guard(device):
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _refuse_options(options, what):
+    """Collectives among threads of one process have no packs, no implementation to choose
+    and no timeout other than the strategy's: only ``options=None`` (or a
+    `CommunicationOptions` left at its defaults) is accepted."""
+    if options is None:
+        return
+    if not isinstance(options, CommunicationOptions):
+        raise TypeError(f"options must be a ts.CommunicationOptions (or None), got "
+                        f"{options!r}.")
+    if options.bytes_per_pack or options.timeout_seconds is not None or \
+            options.compression is not None or \
+            options.implementation is not CommunicationImplementation.AUTO:
+        raise ValueError(
+            f"CentralStorageStrategy cannot honour {options!r} in {what}: its replicas are "
+            "threads of one process that combine their values in memory, so there is no "
+            "pack size, implementation or compression to choose. Pass options=None; bound "
+            "every synchronisation with CentralStorageStrategy(timeout_seconds=...).")
 
 
 def _choose_devices(compute_devices, parameter_device):
@@ -323,98 +482,10 @@ class CentralStorageStrategy(Strategy):
         super().__init__(CentralStorageExtended(self, [d.torch_device for d in compute],
                                                 parameter, timeout))
         self._device_names = tuple(d.name for d in compute)
-        mirroring.install_capture()
         central_reads.install_optimizer_hooks()
         logger.info(f"CentralStorageStrategy with {len(compute)} replica(s) on "
                     f"{self._device_names}, parameters on {parameter}")
 
-    def run(self, fn, args=(), kwargs=None, options=None):
-        """Runs ``fn(*args, **kwargs)`` once per compute device, each in its own thread and
-        replica context, and waits for all of them.
-
-        Distributed values among the arguments are replaced by each replica's component;
-        other arguments reach every replica as they are. Inside `fn`, the central
-        parameters read as the replica's copies; ``loss.backward()`` ends with the SUM of
-        all replicas' gradients in ``param.grad``; ``optimizer.step()`` updates the central
-        parameters once. Every replica must reach the same synchronisation points
-        (backward, optimizer.step, all_reduce, merge_call) in the same order.
-
-        Returns:
-          A `PerReplica` per leaf of `fn`'s result, one component per compute device (the
-          plain result with one replica).
-
-        Raises:
-          The first failing replica's exception; the other replicas are released from any
-          synchronisation point and stop. `CollectiveError` when a replica does not reach a
-          synchronisation point within the timeout.
-        """
-        ext = self._extended
-        if not ext._threaded:
-            return super().run(fn, args, kwargs, options)
-        if context.in_run():
-            raise RuntimeError("strategy.run was called inside strategy.run (or merge_call). "
-                               "Nested run is not supported: call the function directly.")
-        _check_not_mixing(self)
-        kwargs = kwargs or {}
-        ext._sync_mirrored_state()
-        devices = ext._compute_devices
-        n = len(devices)
-        group = ReplicaGroup(n, ext._timeout)
-        session = central_reads.RunSession(group, ext._mirrored.parameters,
-                                           ext._mirrored.buffers(), devices,
-                                           ext._parameter_device)
-        session.strategy = self
-
-        def replica_fn(r):
-            replica = _CentralReplicaContext(self, r, devices[r])
-            guard = torch.cuda.device(devices[r]) if devices[r].type == "cuda" \
-                else contextlib.nullcontext()
-            with context.enter(self, replica), guard, session.replicas[r]:
-                return fn(*values.local_component(tuple(args), r),
-                          **values.local_component(kwargs, r))
-
-        try:
-            results = run_replicas(group, replica_fn)
-        finally:
-            session.close()
-        session.write_back()
-        if n == 1:
-            return results[0]
-        return values.wrap(results, tuple(range(n)))
-
-    # -- cross-replica operations (one process holds every replica's value) ---------------
-    def gather(self, value, axis):
-        """Concatenates the replicas' components of `value` along `axis`, in replica order,
-        on the parameter device (sizes along `axis` may differ)."""
-        from torchstrategy.strategies.base import _require_cross_replica
-
-        _require_cross_replica("gather")
-        return self._extended._gather(value, axis)
-
-    # -- input ----------------------------------------------------------------------
-    def experimental_distribute_dataset(self, dataset, options=None):
-        """Splits each *global* batch of `dataset` along dim 0 over the replicas (see
-        `torchstrategy.input.per_host.PerHostDataset`)."""
-        from torchstrategy.input.per_host import PerHostDataset
-
-        return PerHostDataset(dataset, self._extended._compute_devices, options)
-
-    def distribute_datasets_from_function(self, dataset_fn, options=None):
-        """Calls ``dataset_fn(ts.InputContext)`` once; its per-replica batches go to
-        replicas 0, 1, ... in turn (see `torchstrategy.input.per_host`)."""
-        from torchstrategy.input.per_host import PerHostDatasetsFromFunction
-
-        return PerHostDatasetsFromFunction(dataset_fn, self._extended._compute_devices,
-                                           options)
-
-    def experimental_distribute_values_from_function(self, value_fn):
-        """Calls ``value_fn(ts.ValueContext)`` for every replica; returns a `PerReplica`."""
-        from torchstrategy.input.contexts import ValueContext
-
-        n = self.num_replicas_in_sync
-        parts = [value_fn(ValueContext(r, n)) for r in range(n)]
-        return parts[0] if n == 1 else values.wrap(parts, tuple(range(n)))
-
     def __repr__(self):
         return (f"CentralStorageStrategy(compute_devices={list(self._device_names)}, "
-                f"parameter_device={str(self._extended._parameter_device)!r})")
+                f"parameter_device={str(self._extended.torch_device)!r})")
