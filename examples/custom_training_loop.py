@@ -24,6 +24,7 @@ What differs from the TensorFlow version:
   the others wait) and ``ts.checkpoint.load(path)``.
 """
 import argparse
+import logging
 import os
 import shutil
 import tempfile
@@ -36,6 +37,9 @@ from sklearn.model_selection import train_test_split
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchstrategy as ts
+
+# torchstrategy logs through the standard logging module and configures nothing itself.
+logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 
 parser = argparse.ArgumentParser(description="Custom training with MirroredStrategy")
 parser.add_argument("--replicas", type=int, default=None,

@@ -21,6 +21,7 @@ Or torchrun on each machine (restarts failed workers; the backup resumes the loo
         --max-restarts=3 examples/multi_worker.py --backup-dir /tmp/digits-backup
 """
 import argparse
+import logging
 import os
 import tempfile
 
@@ -32,6 +33,9 @@ from sklearn.model_selection import train_test_split
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchstrategy as ts
+
+# torchstrategy logs through the standard logging module and configures nothing itself.
+logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 
 parser = argparse.ArgumentParser(description="MultiWorkerMirroredStrategy on digits")
 parser.add_argument("--replicas", type=int, default=None,

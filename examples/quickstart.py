@@ -10,6 +10,7 @@ training on its own slice of every batch. Comments starting with "distributed:" 
 differs from single-device training.
 """
 import argparse
+import logging
 import os
 
 import torch
@@ -21,6 +22,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
 import torchstrategy as ts
+
+# torchstrategy logs through the standard logging module and configures nothing itself.
+logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 
 parser = argparse.ArgumentParser(description="MirroredStrategy on the digits data set")
 parser.add_argument("--replicas", type=int, default=None,

@@ -8,6 +8,7 @@ The data is generated (small 32x32 images whose class is the brightest colour ch
 nothing is downloaded.
 """
 import argparse
+import logging
 import time
 
 import torch
@@ -16,6 +17,9 @@ import torchvision
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchstrategy as ts
+
+# torchstrategy logs through the standard logging module and configures nothing itself.
+logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=6)

@@ -151,7 +151,7 @@ def build(sizes, strategy, with_ddp):
         with strategy.scope():
             ours = make_module(sizes)
         ours_params = list(ours.parameters())
-        reducer = strategy.extended._reducer
+        reducer = strategy.extended.gradient_reducer
 
         def ours_backward():
             for p in ours_params:
@@ -165,13 +165,7 @@ def build(sizes, strategy, with_ddp):
     for _ in range(2):   # buckets rebuilt in arrival order, then gradients become views
         GivenGradients.apply(grads, *ours_params).backward()
     assert all(reducer.is_bucket_view(p) for p in ours_params)
-    order = reducer._core.bucket_order()
-
-    def ours_ready():
-        for i in order:
-            reducer._core.mark_ready(i)
-        reducer._finalize()
-    configs["ours-ready"] = ours_ready
+    configs["ours-ready"] = reducer.reduce_all_now
     return configs
 
 

@@ -93,7 +93,7 @@ def _set_rng_state(state):
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     if "numpy" in state:
-        import numpy
+        import numpy  # optional dependency: saved only when the program had imported it
 
         numpy.random.set_state(state["numpy"])
 

@@ -72,7 +72,7 @@ def _grads(model):
 def _bucket_views_and_rebuild():
     strategy = ts.MirroredStrategy()
     rank = strategy.extended.replica_id
-    reducer = strategy.extended._reducer
+    reducer = strategy.extended.gradient_reducer
     with strategy.scope():
         model = ChainNet()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)   # lr 0: weights stay ones
@@ -82,7 +82,7 @@ def _bucket_views_and_rebuild():
         model(inputs(rank, step)).backward()
 
     strategy.run(lambda: None)                      # registers the parameters
-    index = {id(p): i for i, p in enumerate(reducer._params)}
+    index = {id(p): i for i, p in enumerate(reducer.parameters)}
     res["order_initial"] = [index[id(p)] for p in reducer.bucket_order]
     arrived = []
     watch = [p.register_post_accumulate_grad_hook(lambda p: arrived.append(index[id(p)]))
@@ -125,7 +125,7 @@ def _bucket_views_and_rebuild():
     strategy.run(backward, args=(5,))
     res["no_sync"] = _grads(model)
     res["stats_last"] = strategy.extended.stats()
-    res["on_process_group"] = reducer._core.launches_on_process_group()
+    res["on_process_group"] = reducer.launches_on_process_group()
     res["order_final"] = [index[id(p)] for p in reducer.bucket_order]
     return from_every_replica(res)
 
@@ -292,8 +292,8 @@ def _through_python_cross_device_ops():
     for step in range(2):
         model.zero_grad()
         strategy.run(lambda: model(inputs(rank, step)).backward())
-    assert not strategy.extended._reducer._core.launches_on_process_group()
-    return _grads(model), ops.sizes, strategy.extended._reducer.bucket_layout(), \
+    assert not strategy.extended.gradient_reducer.launches_on_process_group()
+    return _grads(model), ops.sizes, strategy.extended.gradient_reducer.bucket_layout(), \
         strategy.extended.stats()
 
 
@@ -321,7 +321,7 @@ def _multi_worker_with_compression_options():
     x = torch.tensor([1.0, 3.0, 0.1, 100.0, -2.5]) * (rank + 1)
     strategy.run(lambda: (w * x).sum().backward())
     return (w.grad.clone(), strategy.extended.stats(),
-            strategy.extended._reducer._core.launches_on_process_group())
+            strategy.extended.gradient_reducer.launches_on_process_group())
 
 
 def test_communication_options_compression_reaches_a_python_cross_device_ops():

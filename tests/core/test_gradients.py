@@ -201,7 +201,7 @@ def _reducer_models(names, bucket_cap_mb, cross_device_ops):
                                "keys": list(model.state_dict()),
                                "plain_keys": list(plain.state_dict()),
                                "param_dtypes": [p.dtype for p in model.parameters()]}
-    res["buckets"] = strategy.extended._reducer.bucket_sizes
+    res["buckets"] = strategy.extended.gradient_reducer.bucket_sizes
     return from_every_replica(res)
 
 

@@ -123,7 +123,8 @@ def test_torchrun_world_is_taken(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the default is every GPU there")
 def test_without_gpus_the_default_is_one_cpu_replica_and_one_log_line():
-    code = ("import torchstrategy as ts; s = ts.MirroredStrategy(); "
+    code = ("import logging; logging.basicConfig(level=logging.INFO, format='%(name)s: "
+            "%(message)s'); import torchstrategy as ts; s = ts.MirroredStrategy(); "
             "print(s.num_replicas_in_sync, s.extended.worker_devices)")
     result = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
                             text=True, timeout=120)

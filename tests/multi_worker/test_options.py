@@ -17,7 +17,7 @@ def _options_and_layouts():
     rank = strategy.extended.replica_id
     facts = {
         "backend": dist.get_backend(),
-        "bucket_cap": strategy.extended._reducer._cap,
+        "bucket_cap": strategy.extended.gradient_reducer.bucket_cap_bytes,
         "timeout": dist.distributed_c10d._get_default_group()._get_backend(
             torch.device("cpu")).options._timeout,
         "options": strategy.communication_options,

@@ -2,6 +2,7 @@
 
 MODE: ok | child_exit | parent_raise | hang_until_signal | torchrun
 """
+import logging
 import os
 import sys
 import time
@@ -10,6 +11,8 @@ import torch
 
 import torchstrategy as ts
 
+# The library configures no logging; a program that wants its messages says so.
+logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 mode, outdir = sys.argv[1], sys.argv[2]
 devices = None if mode == "torchrun" else ["cpu:0", "cpu:1"]
 strategy = ts.MirroredStrategy(devices=devices)

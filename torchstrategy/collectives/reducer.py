@@ -161,6 +161,30 @@ class GradientReducer:
 
     # -- inspection ---------------------------------------------------------------------
     @property
+    def bucket_cap_bytes(self):
+        """The largest bucket, in bytes."""
+        return self._cap
+
+    @property
+    def parameters(self):
+        """The registered parameters, in registration order."""
+        return list(self._params)
+
+    def launches_on_process_group(self):
+        """True when buckets go straight to the c10d process group from C++; False when
+        they go through the cross-device ops' Python ``all_reduce_async``."""
+        return self._core.launches_on_process_group()
+
+    def reduce_all_now(self):
+        """Sums every registered parameter's current ``.grad`` across replicas, exactly as
+        the end of a synchronised backward does, without running autograd: every parameter
+        is marked ready in bucket order, then the buckets are finalised. Every replica must
+        call it at the same point. Benchmarks use it to time the reduction alone."""
+        for index in self._core.bucket_order():
+            self._core.mark_ready(index)
+        self._finalize()
+
+    @property
     def bucket_sizes(self):
         """Number of parameters in each bucket, in launch order."""
         return self._core.bucket_sizes()
