@@ -35,9 +35,6 @@ class DistributedValues:
     def replica_ids(self):
         return self._replica_ids
 
-    def _component(self, replica_id):
-        return self._values[self._replica_ids.index(replica_id)]
-
     def __repr__(self):
         body = ", ".join(f"{r}: {v!r}" for r, v in zip(self._replica_ids, self._values))
         return f"{type(self).__name__}:{{{body}}}"

@@ -9,8 +9,14 @@ import torch
 import torch.nn as nn
 
 import torchstrategy as ts
-from torchstrategy.collectives.reducer import aligned
 from tests.helpers.replicas import from_every_replica, launch
+
+
+def aligned(elements, element_size):
+    """`elements` rounded up so that the next slot starts on a 16-byte boundary: the layout
+    rule of csrc/ (each parameter's slot in a bucket is 16-byte aligned)."""
+    step = max(1, 16 // element_size)
+    return -(-elements // step) * step
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 SHAPES = [(3, 5), (7,), (2, 2, 3), (4,), (1,), (6, 3)]

@@ -58,14 +58,6 @@ from torchstrategy.collectives.stats import ReductionStats
 DEFAULT_BUCKET_CAP_BYTES = 25 * 1024 * 1024
 
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
-ALIGNMENT_BYTES = 16
-
-
-def aligned(elements, element_size):
-    """`elements` rounded up so that the next slot starts on a 16-byte boundary (the
-    layout rule of csrc/reducer.cpp)."""
-    step = max(1, ALIGNMENT_BYTES // element_size)
-    return -(-elements // step) * step
 
 
 def _process_group_for_cpp(cross_device_ops, group):
