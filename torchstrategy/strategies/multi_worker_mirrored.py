@@ -20,6 +20,7 @@ How the machines find each other:
 import datetime
 import os
 import uuid
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -231,11 +232,14 @@ class MultiWorkerMirroredStrategy(Strategy):
         self._options = options
         self._devices = tuple(d.name for d in local)
         if world.rank == 0 and _restarts_share_a_stale_store(world):
-            logger.warning(
+            # A warning, not a log record: the library configures no logging, and this one
+            # needs the user to act.
+            warnings.warn(
                 "torchrun restarts this multi-machine job (--max-restarts) with its shared "
                 "rendezvous store: a restarted round can then read the previous round's "
                 "addresses and hang in set-up. Start torchrun with "
-                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment on every machine.")
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment on every machine.",
+                RuntimeWarning, stacklevel=2)
         if world.rank == 0:
             logger.info(f"MultiWorkerMirroredStrategy with {world.world_size} replica(s) on "
                         f"{world.num_nodes} worker(s), {world.local_world_size} per worker "
