@@ -22,7 +22,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch.utils.data import DataLoader, TensorDataset
 
-import torchstrategy  # noqa: F401  registers Trainer(strategy="mirrored") and friends
+import torchstrategy.lightning  # noqa: F401  registers strategy="mirrored" and friends
 
 parser = argparse.ArgumentParser(description="Model.fit with Lightning on torchstrategy")
 parser.add_argument("--devices", type=int, default=2)

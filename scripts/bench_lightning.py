@@ -32,7 +32,7 @@ def worker(args):
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, TensorDataset
 
-    import torchstrategy  # noqa: F401  registers strategy="mirrored"
+    import torchstrategy.lightning  # noqa: F401  registers strategy="mirrored"
 
     class MLP(pl.LightningModule):
         def __init__(self, width=1024, depth=6):

@@ -43,9 +43,6 @@ from torchstrategy.variables import (MirroredVariable, SyncOnReadVariable, Varia
 from torchstrategy import values
 from torchstrategy import parameter_server
 from torchstrategy.parameter_server import ClusterCoordinator, ParameterServerStrategy, Server
-from torchstrategy.lightning import LightningStrategy  # imports Lightning only when used
-from torchstrategy.lightning import BackupAndRestoreCallback  # likewise
-from torchstrategy.lightning import registration as _lightning_registration
 
 __version__ = "0.1.0"
 
@@ -104,6 +101,13 @@ __all__ = [  # one name a line, sorted: adding a name touches one line
     "values",
 ]
 
-# Trainer(strategy="mirrored") etc.: registers into Lightning when (and only if) it is
-# imported. Last, so that every strategy imported above is seen.
-_lightning_registration.install()
+
+def __getattr__(name):
+    """``ts.LightningStrategy`` and ``ts.BackupAndRestoreCallback``: importing
+    `torchstrategy.lightning` imports Lightning (and registers our strategy names in it),
+    so it happens when one of them is first asked for, never at ``import torchstrategy``."""
+    if name in ("LightningStrategy", "BackupAndRestoreCallback"):
+        # Optional dependency: Lightning is imported only when one of these is used.
+        from torchstrategy import lightning
+        return getattr(lightning, name)
+    raise AttributeError(f"module 'torchstrategy' has no attribute {name!r}")

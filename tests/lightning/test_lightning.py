@@ -117,13 +117,22 @@ def _python(code, timeout=120):
 
 @pytest.mark.timeout(150)
 def test_import_torchstrategy_does_not_import_lightning():
+    """`import torchstrategy` imports no Lightning and installs no import hook; importing
+    `torchstrategy.lightning` (or asking for ts.LightningStrategy) is what imports it and
+    registers the names in Lightning's own StrategyRegistry."""
     out = _python("""
         import sys
-        import torchstrategy, torchstrategy.lightning
+        hooks = list(sys.meta_path)
+        import torchstrategy as ts
         print(sorted(m for m in sys.modules if m.split(".")[0] in
-                     ("lightning", "pytorch_lightning", "lightning_fabric")))
+                     ("lightning", "pytorch_lightning", "lightning_fabric")),
+              sys.meta_path == hooks)
+        from torchstrategy.lightning import LightningStrategy
+        from lightning.pytorch.strategies import StrategyRegistry
+        print("mirrored" in StrategyRegistry, ts.LightningStrategy is LightningStrategy,
+              sys.meta_path == hooks)
     """)
-    assert out.strip() == "[]"
+    assert out.strip().splitlines()[-2:] == ["[] True", "True True True"]
 
 
 @pytest.mark.timeout(300)
@@ -152,6 +161,7 @@ def test_names_registered_whichever_is_imported_first(package, order):
 def test_registered_names_do_not_collide_with_lightnings_own():
     from lightning.pytorch.strategies import StrategyRegistry
 
+    import torchstrategy.lightning.lightning_pytorch  # noqa: F401  registers the names
     from torchstrategy.lightning import registration
 
     names = registration.registered_names("lightning.pytorch")
@@ -168,6 +178,8 @@ def test_registered_names_do_not_collide_with_lightnings_own():
 # -- mismatched Trainer arguments -------------------------------------------------------
 def _trainer(**kwargs):
     import lightning.pytorch as pl
+
+    import torchstrategy.lightning.lightning_pytorch  # noqa: F401  registers the names
 
     kwargs.setdefault("logger", False)
     return pl.Trainer(**kwargs)
@@ -221,7 +233,7 @@ def test_mirrored_where_reexecution_is_impossible_names_the_notebook_mode():
     to use strategy="mirrored_notebook"."""
     code = textwrap.dedent("""
         import lightning.pytorch as pl
-        import torchstrategy
+        import torchstrategy.lightning
         try:
             pl.Trainer(strategy="mirrored", accelerator="cpu", devices=2, logger=False)
         except RuntimeError as error:
@@ -296,3 +308,34 @@ def test_lightning_strategy_needs_a_strategy_or_a_kind():
         LightningStrategy(ts.OneDeviceStrategy("cpu"), start_method="fork")
     with pytest.raises(ValueError, match="start_method must be 'popen' or 'fork'"):
         LightningStrategy(kind="mirrored", start_method="spawn")
+
+
+def test_bad_arguments_are_refused_at_construction():
+    """Not accepted until fit: the error names the accepted values."""
+    from torchstrategy.lightning import LightningStrategy
+
+    with pytest.raises(ValueError, match=r"kind must be one of \['mirrored', "
+                       r"'multi_worker_mirrored', 'one_device'\], got 'bogus'"):
+        LightningStrategy(kind="bogus")
+    with pytest.raises(ValueError, match=r"start_method 'popen', not 'fork'"):
+        LightningStrategy(kind="one_device", start_method="fork")
+    with pytest.raises(ValueError, match=r"package must be one of \('lightning.pytorch', "
+                       r"'pytorch_lightning'\)"):
+        LightningStrategy(kind="mirrored", package="lightning")
+    with pytest.raises(ValueError, match="CentralStorageStrategy runs all its replicas"):
+        LightningStrategy(kind="central_storage")
+
+
+@pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])
+def test_adapter_is_a_module_level_class_of_either_package(package):
+    import importlib
+
+    from torchstrategy.lightning import LightningStrategy
+
+    strategy = LightningStrategy(ts.OneDeviceStrategy("cpu"), package=package)
+    module = importlib.import_module(f"{package}.strategies")
+    assert isinstance(strategy, module.ParallelStrategy)
+    assert isinstance(strategy, LightningStrategy)
+    cls = type(strategy)
+    assert importlib.import_module(cls.__module__).LightningStrategy is cls
+    assert "mirrored" in module.StrategyRegistry

@@ -2,7 +2,7 @@
 
     import lightning.pytorch as pl            # or: import pytorch_lightning as pl
     import torchstrategy as ts
-    from torchstrategy.lightning import LightningStrategy
+    from torchstrategy.lightning import LightningStrategy   # registers the names below
 
     trainer = pl.Trainer(strategy=LightningStrategy(ts.MirroredStrategy(["cpu:0", "cpu:1"])))
     trainer = pl.Trainer(strategy="mirrored", accelerator="cpu", devices=2)   # the same
@@ -12,124 +12,29 @@ Lightning's semantics hold, so a LightningModule trains exactly as under
 *averaged* over replicas (the adapter scales the loss by 1/N before the reducer sums).
 The model is not wrapped: checkpoints have the module's own keys.
 
-Importing this module (or ``torchstrategy``) never imports Lightning; Lightning's classes
-are built the first time an adapter is made, for the Lightning package in use.
+Importing this module imports Lightning (``import torchstrategy`` alone never does) and
+registers torchstrategy's names ("mirrored", "mirrored_notebook", "one_device",
+"multi_worker_mirrored", ...) in Lightning's ``StrategyRegistry``. The Lightning package
+in use is the one already imported (``lightning.pytorch`` first if both are: names are
+registered in every one already imported), else the one installed (``lightning.pytorch``
+first). ``LightningStrategy(...)`` and ``BackupAndRestoreCallback(...)`` build that
+package's classes (``package=`` picks the other), defined at module level in
+`torchstrategy.lightning.lightning_pytorch` and `.pytorch_lightning`, which subclass them:
+``isinstance(s, LightningStrategy)`` holds for either package. Importing one of those two
+modules registers the names in its package explicitly.
 """
-import sys
+import importlib
 
+from torchstrategy.lightning.adapter import (MODULES, LightningStrategy, packages_in_use,
+                                             strategy_class)
+from torchstrategy.lightning.backup import BackupAndRestoreCallback, callback_class
 from torchstrategy.lightning.registration import registered_names
 
-_PACKAGES = ("lightning.pytorch", "pytorch_lightning")
+# Importing a package's module defines its classes and registers our names in its
+# StrategyRegistry.
+for _package in packages_in_use():
+    importlib.import_module(MODULES[_package])
+del _package
 
-
-def _default_package():
-    """The Lightning package this program uses: the one already imported (``lightning.
-    pytorch`` if both are), else whichever is installed."""
-    for package in _PACKAGES:
-        if package in sys.modules:
-            return package
-    for package in _PACKAGES:
-        try:
-            __import__(package)
-            return package
-        except ImportError:
-            continue
-    raise ImportError("torchstrategy.lightning needs Lightning: pip install lightning "
-                      "(or pytorch-lightning).")
-
-
-def strategy_class(package=None):
-    """The adapter class for `package` ("lightning.pytorch" or "pytorch_lightning"; None:
-    the one in use), a subclass of that package's ``ParallelStrategy``."""
-    from torchstrategy.lightning.adapter import adapter_class
-
-    package = package or _default_package()
-    if package not in _PACKAGES:
-        raise ValueError(f"package must be one of {_PACKAGES}, got {package!r}.")
-    return adapter_class(package)
-
-
-class _DispatchingType(type):
-    def __instancecheck__(cls, obj):
-        return any(isinstance(obj, adapter) for adapter in _built_adapters())
-
-    def __subclasscheck__(cls, sub):
-        return any(issubclass(sub, adapter) for adapter in _built_adapters())
-
-
-def _built_adapters():
-    from torchstrategy.lightning import adapter
-
-    return tuple(adapter._classes.values())
-
-
-class LightningStrategy(metaclass=_DispatchingType):
-    """A Lightning strategy that runs the Trainer on a torchstrategy strategy.
-
-    ``LightningStrategy(strategy)`` returns an instance of the adapter class of the
-    Lightning package in use (``lightning.pytorch`` or ``pytorch_lightning``; pass
-    ``package=`` when a program imports both), so it is accepted by that package's
-    ``Trainer(strategy=...)``; ``isinstance(s, LightningStrategy)`` holds for either.
-
-    Args:
-      strategy: a torchstrategy strategy that runs one replica per process: the default
-        strategy, ``OneDeviceStrategy``, ``MirroredStrategy`` (and the multi-worker one).
-        Creating it is what launches the replicas (re-execution of ``python train.py``,
-        or joining torchrun's world), so the Trainer's ``devices``, ``num_nodes`` and
-        ``accelerator`` must agree with it or be left at "auto" (a clear error otherwise).
-      kind: instead of `strategy`, the name of a strategy to build from the Trainer's
-        ``accelerator``/``devices``/``num_nodes`` ("mirrored", "one_device",
-        "multi_worker_mirrored"): what the registered names ``Trainer(strategy="mirrored")``
-        do.
-      start_method: with `kind`: "popen" (default) builds the strategy when the Trainer is
-        built (re-executing ``python train.py`` for the other replicas, or joining
-        torchrun); "fork" (notebooks: ``Trainer(strategy="mirrored_notebook")``) forks the
-        replicas at ``fit``/``validate``/... and brings the trained weights back into the
-        calling process, as Lightning's ``ddp_notebook`` does.
-      package: "lightning.pytorch" or "pytorch_lightning" (default: the one imported).
-      accelerator / checkpoint_io / precision_plugin: as for any Lightning strategy.
-    """
-
-    def __new__(cls, strategy=None, *, kind=None, start_method="popen", package=None,
-                **kwargs):
-        return strategy_class(package)(strategy, kind=kind, start_method=start_method,
-                                       **kwargs)
-
-
-class _DispatchingCallbackType(type):
-    def __instancecheck__(cls, obj):
-        return any(isinstance(obj, c) for c in _built_callbacks())
-
-    def __subclasscheck__(cls, sub):
-        return any(issubclass(sub, c) for c in _built_callbacks())
-
-
-def _built_callbacks():
-    from torchstrategy.lightning import backup
-
-    return tuple(backup._classes.values())
-
-
-class BackupAndRestoreCallback(metaclass=_DispatchingCallbackType):
-    """TensorFlow's ``tf.keras.callbacks.BackupAndRestore`` as a Lightning callback.
-
-    ``BackupAndRestoreCallback(backup_dir, save_freq="epoch", delete_checkpoint=True)``
-    (the arguments of ``ts.BackupAndRestore``) returns a ``Callback`` of the Lightning
-    package in use (pass ``package=`` when a program imports both), for
-    ``Trainer(callbacks=[...])``: ``fit`` resumes from the backup when there is one,
-    backs up every epoch or every `save_freq` optimizer steps on the chief (atomically),
-    and deletes the backup when it completes. See `torchstrategy.lightning.backup`.
-    """
-
-    def __new__(cls, backup_dir, save_freq="epoch", delete_checkpoint=True, *,
-                package=None):
-        from torchstrategy.lightning.backup import callback_class
-
-        package = package or _default_package()
-        if package not in _PACKAGES:
-            raise ValueError(f"package must be one of {_PACKAGES}, got {package!r}.")
-        return callback_class(package)(backup_dir, save_freq, delete_checkpoint)
-
-
-__all__ = ["BackupAndRestoreCallback", "LightningStrategy", "registered_names",
-           "strategy_class"]
+__all__ = ["BackupAndRestoreCallback", "LightningStrategy", "callback_class",
+           "registered_names", "strategy_class"]

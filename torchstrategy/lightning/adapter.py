@@ -1,48 +1,118 @@
-"""The Lightning strategy class wrapping a torchstrategy strategy, built per Lightning
-package (``lightning.pytorch`` and ``pytorch_lightning`` have separate class trees).
+"""The Lightning adapter's behaviour, shared by the adapter classes of both Lightning
+packages (``lightning.pytorch`` and ``pytorch_lightning`` have separate class trees):
+`LightningStrategy` holds everything; `torchstrategy.lightning.lightning_pytorch` and
+`torchstrategy.lightning.pytorch_lightning` each define ``LightningStrategy(LightningStrategy,
+ParallelStrategy)`` for their package. This module imports no Lightning.
 
 What the adapter does at each point of Lightning's life cycle:
 
+- construction: every argument is checked (a bad ``kind`` or ``start_method`` is refused
+  here, naming the accepted values, not at ``fit``).
 - Trainer construction (``set_world_ranks``): checks the Trainer's ``accelerator``,
   ``devices`` and ``num_nodes`` against the wrapped strategy, or builds the strategy from
   them (registered names); building it launches the replicas (re-execution or torchrun).
 - ``setup``: moves the model to the replica's device and records its parameters and
-  buffers as mirrored, which broadcasts them from replica 0 and hands the parameters to the
-  fused gradient reducer. Nothing is wrapped.
+  buffers with the strategy (``record_parameter`` / ``record_buffer``, as creating them in
+  ``strategy.scope()`` would), then ``synchronize_mirrored_state()`` broadcasts them from
+  replica 0 and hands the parameters to the gradient reducer. Nothing is wrapped.
 - steps: ``training_step`` and the other steps run in the strategy's replica context
-  (``ts.get_replica_context()`` works inside them); after each training step floating
-  buffers become the replica mean, as everywhere in torchstrategy.
+  (``ts.get_replica_context()`` works inside them); after each training step
+  ``synchronize_buffers()`` makes floating buffers the replica mean, as everywhere in
+  torchstrategy.
 - ``backward``: the loss is scaled by 1/N, so the reducer's cross-replica *sum* is the
   *mean* gradient Lightning's DDP produces.
 - collectives (``self.log(sync_dist=True)``, ``barrier``, ``broadcast``, ``all_gather``)
   go through the strategy's communicator and process group, under its timeout.
+
+Only documented methods of the strategy are used (``extended.communicator``,
+``torch_device``, ``replica_id``, ``record_parameter``, ``record_buffer``,
+``synchronize_mirrored_state``, ``synchronize_buffers``, ``no_sync``) and
+``runtime.current().world``; private Lightning APIs go through `torchstrategy._compat`.
 """
 import contextlib
+import dataclasses
 import importlib
 import os
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from torchstrategy import context
+from torchstrategy import _compat, context, runtime
+from torchstrategy.collectives.communicator import Communicator
+from torchstrategy.lightning import registration
 from torchstrategy.reduce_op import ReduceOp
 from torchstrategy.replica_context import ReplicaContext
+from torchstrategy.strategies.base import Strategy
+from torchstrategy.strategies.central_storage import CentralStorageStrategy
+from torchstrategy.strategies.mirrored import MirroredStrategy
+from torchstrategy.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
+from torchstrategy.strategies.one_device import OneDeviceStrategy
+from torchstrategy.strategies.tpu import TPUStrategy
 
-_classes = {}  # package -> adapter class
-
-_FABRIC = {"lightning.pytorch": "lightning.fabric", "pytorch_lightning": "lightning_fabric"}
+PACKAGES = ("lightning.pytorch", "pytorch_lightning")
+# kind -> start methods it can be built with
+KINDS = {"mirrored": ("popen", "fork"), "one_device": ("popen",),
+         "multi_worker_mirrored": ("popen",)}
+START_METHODS = ("popen", "fork")
+# Strategies that run all their replicas in one process: refused, with the reason.
+_ONE_PROCESS = {"central_storage": CentralStorageStrategy, "tpu": TPUStrategy}
 
 _LIGHTNING_REDUCE_OPS = {"mean": ReduceOp.MEAN, "avg": ReduceOp.MEAN, "sum": ReduceOp.SUM}
 _TORCH_REDUCE_OPS = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
                      "product": dist.ReduceOp.PRODUCT}
 
 
-def adapter_class(package):
-    """The adapter class for `package`, built once."""
-    if package not in _classes:
-        _classes[package] = _build_class(package)
-    return _classes[package]
+@dataclasses.dataclass(frozen=True)
+class LightningPackage:
+    """What the adapter needs from one Lightning package, given by its module."""
+
+    name: str                  # "lightning.pytorch" or "pytorch_lightning"
+    trainer: type              # its Trainer
+    fitting: Any               # TrainerFn.FITTING
+    rank_zero_only: tuple      # the rank_zero_only functions whose .rank we set
+    accelerators: tuple        # ((Accelerator class, device type), ...)
+
+
+# Lightning package -> our module defining its adapter classes
+MODULES = {"lightning.pytorch": "torchstrategy.lightning.lightning_pytorch",
+           "pytorch_lightning": "torchstrategy.lightning.pytorch_lightning"}
+
+
+def package_module(package):
+    """Our module for `package` (imports that Lightning package; registers our names)."""
+    check_package(package)
+    return importlib.import_module(MODULES[package])
+
+
+def strategy_class(package=None):
+    """The adapter class of `package` ("lightning.pytorch" or "pytorch_lightning"; None:
+    the one in use), a subclass of that package's ``ParallelStrategy``."""
+    return package_module(package or packages_in_use()[0]).LightningStrategy
+
+
+def packages_in_use():
+    """The Lightning packages already imported (``lightning.pytorch`` first), else the
+    first one installed, which this imports."""
+    imported = [package for package in PACKAGES if package in sys.modules]
+    if imported:
+        return imported
+    for package in PACKAGES:
+        try:
+            # Lightning is an optional dependency, imported only here, on use.
+            importlib.import_module(package)
+        except ImportError:
+            continue
+        return [package]
+    raise ImportError("torchstrategy.lightning needs Lightning: pip install lightning "
+                      "(or pytorch-lightning).")
+
+
+def check_package(package):
+    if package is not None and package not in PACKAGES:
+        raise ValueError(f"package must be one of {PACKAGES} (or None: the one in use), "
+                         f"got {package!r}.")
 
 
 def _trainer_arguments(trainer_cls):
@@ -64,16 +134,16 @@ def _trainer_arguments(trainer_cls):
     return None
 
 
-def _device_type(accelerator):
-    """"cpu", "cuda", another device type, or None for "auto"."""
+def _device_type(accelerator, known):
+    """"cpu", "cuda", another device type, or None for "auto" / an accelerator object of
+    a class we do not know. `known`: ((Accelerator class, device type), ...)."""
     if accelerator is None:
         return None
     if not isinstance(accelerator, str):
-        name = type(accelerator).__name__.lower()
-        for kind in ("cpu", "cuda", "mps", "xla"):
-            if name.startswith(kind):
-                return kind
-        return name
+        for cls, device_type in known:
+            if isinstance(accelerator, cls):
+                return device_type
+        return None
     accelerator = accelerator.lower()
     if accelerator == "auto":
         return None
@@ -95,367 +165,68 @@ def _requested_count(devices):
     return int(devices)
 
 
-def _build_class(package):
-    pl = importlib.import_module(package)
-    fabric = _FABRIC[package]
-    ParallelStrategy = importlib.import_module(f"{package}.strategies").ParallelStrategy
-    launchers = importlib.import_module(f"{package}.strategies.launchers.multiprocessing")
-    rank_zero = importlib.import_module(f"{package}.utilities.rank_zero")
-    trainer_fn = importlib.import_module(f"{package}.trainer.states").TrainerFn
-    optimizers_to_device = importlib.import_module(
-        f"{fabric}.utilities.optimizer")._optimizers_to_device
-    from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+def check_arguments(strategy, kind, start_method):
+    """Refuses a bad combination of the adapter's own arguments, naming what is accepted."""
+    if (strategy is None) == (kind is None):
+        raise ValueError("LightningStrategy needs a torchstrategy strategy "
+                         "(LightningStrategy(ts.MirroredStrategy(...))) or a kind "
+                         "(LightningStrategy(kind='mirrored')), not both.")
+    if start_method not in START_METHODS:
+        # spawn/forkserver would pickle the Trainer, the module and this strategy;
+        # classes defined in a notebook cannot be unpickled elsewhere.
+        raise ValueError(f"start_method must be 'popen' or 'fork' (notebooks), got "
+                         f"{start_method!r}.")
+    if strategy is not None:
+        if start_method != "popen":
+            raise ValueError(
+                "A strategy that already exists has launched its replicas; "
+                f"start_method={start_method!r} needs the strategy built in each process: "
+                "pass kind='mirrored' (Trainer(strategy='mirrored_notebook')) instead of a "
+                "strategy object.")
+        _check_supported(strategy)
+        return
+    if kind in _ONE_PROCESS:
+        raise ValueError(_unsupported_message(_ONE_PROCESS[kind].__name__))
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {sorted(KINDS)}, got {kind!r}.")
+    if start_method not in KINDS[kind]:
+        raise ValueError(f"kind={kind!r} is built with start_method "
+                         f"{' or '.join(repr(m) for m in KINDS[kind])}, not "
+                         f"{start_method!r} (start_method='fork' is for kind='mirrored').")
 
-    class LightningStrategy(ParallelStrategy):
-        __doc__ = f"""Runs a {package} Trainer on a torchstrategy strategy (see
-        ``torchstrategy.lightning.LightningStrategy`` for the arguments)."""
 
-        strategy_name = "torchstrategy"
+def _unsupported_message(name):
+    return (f"{name} runs all its replicas inside one process (threads, or one XLA program), "
+            "but Lightning runs its training loop once per process, so the Lightning adapter "
+            "cannot drive it. Use Trainer(strategy='mirrored') (one process per device), or "
+            f"{name} with a custom training loop (strategy.run).")
 
-        def __init__(self, strategy=None, *, kind=None, start_method="popen",
-                     accelerator=None, checkpoint_io=None, precision_plugin=None):
-            if (strategy is None) == (kind is None):
-                raise ValueError("LightningStrategy needs a torchstrategy strategy "
-                                 "(LightningStrategy(ts.MirroredStrategy(...))) or a kind "
-                                 "(LightningStrategy(kind='mirrored')), not both.")
-            if start_method not in ("popen", "fork"):
-                # spawn/forkserver would pickle the Trainer, the module and this
-                # strategy; classes defined in a notebook cannot be unpickled elsewhere.
-                raise ValueError(f"start_method must be 'popen' or 'fork' (notebooks), got "
-                                 f"{start_method!r}.")
-            if strategy is not None and start_method != "popen":
-                raise ValueError(
-                    "A strategy that already exists has launched its replicas; "
-                    f"start_method={start_method!r} needs the strategy built in each "
-                    "process: pass kind='mirrored' (Trainer(strategy='mirrored_notebook')) "
-                    "instead of a strategy object.")
-            if strategy is not None:
-                _check_supported(strategy)
-            super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io,
-                             precision_plugin=precision_plugin)
-            self._ts = strategy
-            self._kind = kind
-            self._start_method = start_method
-            self._num_nodes = 1
-            self._parallel_devices = None
 
-        # -- the wrapped strategy ------------------------------------------------------
-        @property
-        def torchstrategy(self):
-            """The wrapped torchstrategy strategy (None until built, for a kind)."""
-            return self._ts
+def _check_supported(strategy):
+    """The adapter runs Lightning's loop once per process, so every process must host
+    exactly one replica, communicating over torch.distributed."""
+    if not isinstance(strategy, Strategy):
+        raise TypeError(f"LightningStrategy wraps a torchstrategy strategy, got "
+                        f"{type(strategy).__name__}.")
+    comm = strategy.extended.communicator
+    if isinstance(strategy, tuple(_ONE_PROCESS.values())) or \
+            not isinstance(comm, Communicator) or \
+            comm.world_size != strategy.num_replicas_in_sync:
+        raise ValueError(_unsupported_message(type(strategy).__name__))
 
-        def _communicator(self):
-            return None if self._ts is None else self._ts.extended.communicator
 
-        # -- devices and ranks ---------------------------------------------------------
-        @property
-        def parallel_devices(self):
-            if self._ts is not None and self._kind is None:
-                self._check_trainer_arguments()
-                return self._local_devices()
-            return self._parallel_devices
-
-        @parallel_devices.setter
-        def parallel_devices(self, devices):
-            self._parallel_devices = devices
-
-        def _local_devices(self):
-            """The devices of the wrapped strategy's replicas on this machine."""
-            from torchstrategy.devices import parse_devices
-
-            names = getattr(self._ts, "_devices", None)
-            if names and len(names) == self._local_replicas():
-                return [d.torch_device for d in parse_devices(list(names))]
-            return [self._ts.extended.torch_device or torch.device("cpu")] * \
-                self._local_replicas()
-
-        def _world(self):
-            """The launch world of the wrapped strategy (rank, local world size)."""
-            from torchstrategy.strategies import mirrored
-
-            return getattr(self._ts, "_world", None) or mirrored._process_world
-
-        def _local_replicas(self):
-            if self._ts is None or self._ts.num_replicas_in_sync == 1:
-                return 1
-            world = self._world()
-            if world is not None:
-                return world.local_world_size
-            return int(os.environ.get("LOCAL_WORLD_SIZE", self._ts.num_replicas_in_sync))
-
-        def _machines(self):
-            if self._ts is None:
-                return 1
-            return max(1, self._ts.num_replicas_in_sync // self._local_replicas())
-
-        @property
-        def num_nodes(self):
-            return self._num_nodes
-
-        @num_nodes.setter
-        def num_nodes(self, num_nodes):
-            self._num_nodes = num_nodes
-
-        @property
-        def num_processes(self):
-            devices = self.parallel_devices
-            return len(devices) if devices else 1
-
-        @property
-        def root_device(self):
-            if self._ts is not None:
-                return self._ts.extended.torch_device or torch.device("cpu")
-            devices = self.parallel_devices or [torch.device("cpu")]
-            return devices[min(self.local_rank, len(devices) - 1)]
-
-        @property
-        def global_rank(self):
-            if self._ts is not None:
-                return self._ts.extended.replica_id
-            return int(os.environ.get("LOCAL_RANK", 0)) if self._launched_here() else 0
-
-        @property
-        def local_rank(self):
-            if self._ts is not None and self._ts.num_replicas_in_sync > 1:
-                world = self._world()
-                if world is not None:
-                    return world.local_rank
-                return int(os.environ.get("LOCAL_RANK", 0))
-            return self.global_rank
-
-        @property
-        def node_rank(self):
-            if self._ts is None:
-                return 0
-            return self.global_rank // max(1, self._local_replicas())
-
-        @property
-        def world_size(self):
-            if self._ts is not None:
-                return self._ts.num_replicas_in_sync
-            return self.num_nodes * self.num_processes
-
-        @property
-        def is_distributed(self):
-            return self.world_size > 1
-
-        @property
-        def distributed_sampler_kwargs(self):
-            return {"num_replicas": self.world_size, "rank": self.global_rank}
-
-        def _launched_here(self):
-            return self._start_method != "popen" and "LOCAL_RANK" in os.environ
-
-        # -- Trainer construction ------------------------------------------------------
-        def _check_trainer_arguments(self):
-            """Raises if the Trainer being built asks for other devices than the wrapped
-            strategy has (Lightning reads `parallel_devices` first while it parses its
-            arguments, so this runs before any of them is acted on)."""
-            given = _trainer_arguments(pl.Trainer)
-            if given is None:
-                return
-            name = repr(self._ts)
-            wanted_type = (self._ts.extended.torch_device or torch.device("cpu")).type
-            asked_type = _device_type(given["accelerator"])
-            if asked_type is not None and asked_type != wanted_type:
-                raise ValueError(
-                    f"Trainer(accelerator={given['accelerator']!r}) disagrees with {name}, "
-                    f"whose replicas run on {wanted_type}. Leave accelerator at 'auto' (or "
-                    f"pass accelerator={wanted_type!r}), or create the strategy on the "
-                    "devices you want.")
-            asked = _requested_count(given["devices"])
-            local = self._local_replicas()
-            if asked is not None and asked != local:
-                raise ValueError(
-                    f"Trainer(devices={given['devices']!r}) disagrees with {name}, which "
-                    f"runs {local} replica(s) on this machine. Leave devices at 'auto' (or "
-                    f"pass devices={local}): the strategy decides the devices.")
-            machines = self._machines()
-            if given["num_nodes"] != machines:
-                raise ValueError(
-                    f"Trainer(num_nodes={given['num_nodes']}) disagrees with {name}, which "
-                    f"spans {machines} machine(s). Pass num_nodes={machines}.")
-
-        def set_world_ranks(self):
-            if self._ts is None and self._start_method == "popen":
-                self._ts = self._build_strategy()
-                self._kind = None
-            rank_zero.rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-
-        def _build_strategy(self):
-            """Builds the strategy named by the kind from the Trainer's devices; building
-            it launches or joins the replicas."""
-            import torchstrategy as ts
-
-            devices = list(self._parallel_devices or [torch.device("cpu")])
-            device_type = devices[0].type
-            count = len(devices)
-            if self._kind == "one_device":
-                if count != 1 or self.num_nodes != 1:
-                    raise ValueError(
-                        f"Trainer(strategy='one_device') runs one replica, but the Trainer "
-                        f"asks for {count} device(s) on {self.num_nodes} node(s). Pass "
-                        "devices=1, or use strategy='mirrored' for several devices.")
-                return ts.OneDeviceStrategy(devices[0])
-            _check_kind_supported(self._kind)
-            if device_type not in ("cpu", "cuda"):
-                raise ValueError(
-                    f"Trainer(strategy={self._kind!r}) runs on CPU or CUDA devices, not "
-                    f"{device_type}. Pass accelerator='cpu' or 'cuda'.")
-            names = [f"cpu:{i}" for i in range(count)] if device_type == "cpu" else \
-                [str(d) for d in devices]
-            if self._kind == "multi_worker_mirrored":
-                if not hasattr(ts, "MultiWorkerMirroredStrategy"):
-                    raise ValueError("This torchstrategy has no MultiWorkerMirroredStrategy.")
-                # One replica per Trainer device on each machine; the machines come from
-                # torchrun's environment (or TF_CONFIG).
-                strategy = ts.MultiWorkerMirroredStrategy(devices=names)
-                if strategy.num_replicas_in_sync != count * self.num_nodes:
-                    raise ValueError(
-                        f"Trainer(num_nodes={self.num_nodes}, devices={count}) asks for "
-                        f"{count * self.num_nodes} replicas, but the job has "
-                        f"{strategy.num_replicas_in_sync}. Pass num_nodes= the number of "
-                        "machines and devices= the processes per machine.")
-                return strategy
-            if self._kind != "mirrored":
-                raise ValueError(f"Unknown torchstrategy kind {self._kind!r}.")
-            if self.num_nodes != 1:
-                raise ValueError(
-                    f"Trainer(strategy='mirrored') runs on one machine, but num_nodes="
-                    f"{self.num_nodes}. Use strategy='multi_worker_mirrored' (under "
-                    "torchrun) for several machines, or pass num_nodes=1.")
-            try:
-                return ts.MirroredStrategy(devices=names)
-            except RuntimeError as error:
-                if "interactive" not in str(error) and "pytest" not in str(error):
-                    raise
-                raise RuntimeError(
-                    f"{error} With Lightning, use Trainer(strategy='mirrored_notebook') "
-                    "to start the replicas at fit time instead.") from error
-
-        def _configure_launcher(self):
-            if self._start_method == "popen":
-                self._launcher = None    # building the strategy launched the replicas
-            else:
-                self._launcher = launchers._MultiProcessingLauncher(
-                    self, start_method=self._start_method)
-
-        # -- set-up --------------------------------------------------------------------
-        def setup_environment(self):
-            if self._ts is None:
-                # A replica started by the multiprocessing launcher (notebooks): join the
-                # world the launcher set up, as under torchrun.
-                local_rank = int(os.environ.get("LOCAL_RANK", 0))
-                count = self.num_processes
-                os.environ.update({
-                    "RANK": str(local_rank), "WORLD_SIZE": str(count),
-                    "LOCAL_WORLD_SIZE": str(count),
-                    "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1")})
-                self._ts = self._build_strategy()
-                rank_zero.rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-            super().setup_environment()
-
-        def setup(self, trainer):
-            self.accelerator.setup(trainer)
-            self.model = self.precision_plugin.convert_module(self.model)
-            self.model_to_device()
-            _mirror_module(self._ts, self.model)
-            fitting = trainer.state.fn == trainer_fn.FITTING
-            if fitting:
-                self.setup_optimizers(trainer)
-            self.setup_precision_plugin()
-            if fitting:
-                optimizers_to_device(self.optimizers, self.root_device)
-
-        def model_to_device(self):
-            self.model.to(self.root_device)
-
-        # -- steps ---------------------------------------------------------------------
-        @contextlib.contextmanager
-        def _replica_context(self):
-            ext = self._ts.extended
-            replica = ReplicaContext(self._ts, ext.replica_id,
-                                     ext.torch_device or torch.device("cpu"))
-            with context.enter(self._ts, replica):
-                yield
-
-        def training_step(self, *args, **kwargs):
-            with self._replica_context():
-                output = super().training_step(*args, **kwargs)
-            self._ts.extended._after_step()
-            return output
-
-        def validation_step(self, *args, **kwargs):
-            with self._replica_context():
-                return super().validation_step(*args, **kwargs)
-
-        def test_step(self, *args, **kwargs):
-            with self._replica_context():
-                return super().test_step(*args, **kwargs)
-
-        def predict_step(self, *args, **kwargs):
-            with self._replica_context():
-                return super().predict_step(*args, **kwargs)
-
-        def backward(self, closure_loss, optimizer, *args, **kwargs):
-            # Lightning (DDP) averages gradients over replicas; the reducer sums them.
-            n = self.world_size
-            scaled = closure_loss if n == 1 else closure_loss * (1.0 / n)
-            super().backward(scaled, optimizer, *args, **kwargs)
-            return closure_loss.detach()
-
-        @contextlib.contextmanager
-        def block_backward_sync(self):
-            """Gradient accumulation: backward passes inside stay local."""
-            if self._ts is None:
-                yield
-                return
-            with self._ts.extended.no_sync():
-                yield
-
-        # -- collectives ---------------------------------------------------------------
-        def reduce(self, tensor, group=None, reduce_op="mean"):
-            """Reduces `tensor` over replicas ("mean"/"sum", torch's ReduceOp, or "max" /
-            "min"); a non-tensor is returned unchanged."""
-            comm = self._communicator()
-            if not isinstance(tensor, torch.Tensor) or comm is None or comm.world_size == 1:
-                return tensor
-            if group is not None and group is not dist.group.WORLD:
-                raise ValueError("LightningStrategy reduces over all replicas; a process "
-                                 "subgroup is not supported.")
-            op = _reduce_op(reduce_op)
-            if isinstance(op, ReduceOp):
-                if op is ReduceOp.MEAN and not tensor.is_floating_point():
-                    tensor = tensor.float()
-                return comm.all_reduce([tensor], op)[0]
-            result = tensor.clone()
-            dist.all_reduce(result, op=op)
-            return result
-
-        def barrier(self, name=None):
-            comm = self._communicator()
-            if comm is not None:
-                comm.barrier()
-
-        def broadcast(self, obj, src=0):
-            comm = self._communicator()
-            if comm is None:
-                return obj
-            return comm.broadcast_object(obj, src=src)
-
-        @classmethod
-        def register_strategies(cls, strategy_registry):
-            """Names are registered by torchstrategy.lightning.registration."""
-
-        def __repr__(self):
-            inner = repr(self._ts) if self._ts is not None else \
-                f"kind={self._kind!r}, start_method={self._start_method!r}"
-            return f"LightningStrategy({inner})"
-
-    LightningStrategy.__module__ = __name__
-    LightningStrategy.__qualname__ = "LightningStrategy"
-    return LightningStrategy
+def _mirror_module(strategy, module):
+    """Records `module`'s parameters and (persistent) buffers with `strategy`, as creating
+    them inside ``strategy.scope()`` would have: ``synchronize_mirrored_state`` then
+    broadcasts them from replica 0 and gives the parameters to the gradient reducer.
+    Tensors already recorded are skipped by the strategy."""
+    ext = strategy.extended
+    for submodule in module.modules():
+        for name, param in submodule.named_parameters(recurse=False):
+            ext.record_parameter(submodule, name, param)
+        for name, _buffer in _compat.module_persistent_buffers(submodule):
+            ext.record_buffer(submodule, name)
+    ext.synchronize_mirrored_state()
 
 
 def _reduce_op(reduce_op):
@@ -478,48 +249,392 @@ def _reduce_op(reduce_op):
     return reduce_op  # MAX, MIN, PRODUCT: torch.distributed's own op
 
 
-_ONE_PROCESS_STRATEGIES = ("CentralStorageStrategy", "TPUStrategy")
+class LightningStrategy:
+    # The docstring is CLASS_DOC, at the end of this module.
+    # This class holds the adapter's behaviour and is what isinstance checks against;
+    # `torchstrategy.lightning.lightning_pytorch` and `.pytorch_lightning` each combine it
+    # with their package's ``ParallelStrategy`` and set `lightning` (a `LightningPackage`).
+
+    lightning: LightningPackage = None   # set by each package's subclass
+    strategy_name = "torchstrategy"
+
+    def __new__(cls, *args, package=None, **kwargs):
+        # LightningStrategy(...) makes an instance of the adapter class of the Lightning
+        # package in use (or of `package`).
+        check_package(package)
+        if cls.lightning is not None and package in (None, cls.lightning.name):
+            return super().__new__(cls)
+        target = strategy_class(package)
+        if issubclass(target, cls):
+            return super().__new__(target)   # type() then calls target's __init__
+        # The other package's class was called with package=: type() would not call the
+        # __init__ of an object that is not an instance of `cls`, so build it whole.
+        return target(*args, package=package, **kwargs)
+
+    def __init__(self, strategy=None, *, kind=None, start_method="popen", package=None,
+                 accelerator=None, checkpoint_io=None, precision_plugin=None):
+        check_package(package)
+        check_arguments(strategy, kind, start_method)
+        super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        self._ts = strategy
+        self._kind = kind
+        self._start_method = start_method
+        self._num_nodes = 1
+        self._parallel_devices = None
+
+    # -- the wrapped strategy ------------------------------------------------------------
+    @property
+    def torchstrategy(self):
+        """The wrapped torchstrategy strategy (None until built, for a kind)."""
+        return self._ts
+
+    def _communicator(self):
+        return None if self._ts is None else self._ts.extended.communicator
+
+    def _set_rank_zero(self):
+        for rank_zero_only in self.lightning.rank_zero_only:
+            rank_zero_only.rank = self.global_rank
+
+    # -- devices and ranks ---------------------------------------------------------
+    @property
+    def parallel_devices(self):
+        if self._ts is not None and self._kind is None:
+            self._check_trainer_arguments()
+            return self._local_devices()
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices):
+        self._parallel_devices = devices
+
+    def _local_devices(self):
+        """The devices of the replicas on this machine, one per process, as Lightning
+        indexes them by local rank. A strategy tells only its own replica's device
+        (``extended.torch_device``): on CUDA the other processes' entries are the device
+        numbered by their local rank (the usual one-GPU-per-process layout); this
+        process's own entry is exact."""
+        own = self._ts.extended.torch_device or torch.device("cpu")
+        count = self._local_replicas()
+        if own.type == "cpu" or count == 1:
+            return [own] * count
+        devices = [torch.device(own.type, i) for i in range(count)]
+        devices[min(self.local_rank, count - 1)] = own
+        return devices
+
+    @staticmethod
+    def _world():
+        """The world this process belongs to (rank, local world size), or None."""
+        return runtime.current().world
+
+    def _local_replicas(self):
+        if self._ts is None or self._ts.num_replicas_in_sync == 1:
+            return 1
+        world = self._world()
+        if world is not None:
+            return world.local_world_size
+        return int(os.environ.get("LOCAL_WORLD_SIZE", self._ts.num_replicas_in_sync))
+
+    def _machines(self):
+        if self._ts is None:
+            return 1
+        return max(1, self._ts.num_replicas_in_sync // self._local_replicas())
+
+    @property
+    def num_nodes(self):
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes):
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self):
+        devices = self.parallel_devices
+        return len(devices) if devices else 1
+
+    @property
+    def root_device(self):
+        if self._ts is not None:
+            return self._ts.extended.torch_device or torch.device("cpu")
+        devices = self.parallel_devices or [torch.device("cpu")]
+        return devices[min(self.local_rank, len(devices) - 1)]
+
+    @property
+    def global_rank(self):
+        if self._ts is not None:
+            return self._ts.extended.replica_id
+        return int(os.environ.get("LOCAL_RANK", 0)) if self._launched_here() else 0
+
+    @property
+    def local_rank(self):
+        if self._ts is not None and self._ts.num_replicas_in_sync > 1:
+            world = self._world()
+            if world is not None:
+                return world.local_rank
+            return int(os.environ.get("LOCAL_RANK", 0))
+        return self.global_rank
+
+    @property
+    def node_rank(self):
+        if self._ts is None:
+            return 0
+        return self.global_rank // max(1, self._local_replicas())
+
+    @property
+    def world_size(self):
+        if self._ts is not None:
+            return self._ts.num_replicas_in_sync
+        return self.num_nodes * self.num_processes
+
+    @property
+    def is_distributed(self):
+        return self.world_size > 1
+
+    @property
+    def distributed_sampler_kwargs(self):
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def _launched_here(self):
+        return self._start_method != "popen" and "LOCAL_RANK" in os.environ
+
+    # -- Trainer construction ------------------------------------------------------
+    def _check_trainer_arguments(self):
+        """Raises if the Trainer being built asks for other devices than the wrapped
+        strategy has (Lightning reads `parallel_devices` first while it parses its
+        arguments, so this runs before any of them is acted on)."""
+        given = _trainer_arguments(self.lightning.trainer)
+        if given is None:
+            return
+        name = repr(self._ts)
+        wanted_type = (self._ts.extended.torch_device or torch.device("cpu")).type
+        asked_type = _device_type(given["accelerator"], self.lightning.accelerators)
+        if asked_type is not None and asked_type != wanted_type:
+            raise ValueError(
+                f"Trainer(accelerator={given['accelerator']!r}) disagrees with {name}, "
+                f"whose replicas run on {wanted_type}. Leave accelerator at 'auto' (or "
+                f"pass accelerator={wanted_type!r}), or create the strategy on the "
+                "devices you want.")
+        asked = _requested_count(given["devices"])
+        local = self._local_replicas()
+        if asked is not None and asked != local:
+            raise ValueError(
+                f"Trainer(devices={given['devices']!r}) disagrees with {name}, which "
+                f"runs {local} replica(s) on this machine. Leave devices at 'auto' (or "
+                f"pass devices={local}): the strategy decides the devices.")
+        machines = self._machines()
+        if given["num_nodes"] != machines:
+            raise ValueError(
+                f"Trainer(num_nodes={given['num_nodes']}) disagrees with {name}, which "
+                f"spans {machines} machine(s). Pass num_nodes={machines}.")
+
+    def set_world_ranks(self):
+        if self._ts is None and self._start_method == "popen":
+            self._ts = self._build_strategy()
+            self._kind = None
+        self._set_rank_zero()
+
+    def _build_strategy(self):
+        """Builds the strategy named by the kind from the Trainer's devices; building
+        it launches or joins the replicas."""
+        devices = list(self._parallel_devices or [torch.device("cpu")])
+        device_type = devices[0].type
+        count = len(devices)
+        if self._kind == "one_device":
+            if count != 1 or self.num_nodes != 1:
+                raise ValueError(
+                    f"Trainer(strategy='one_device') runs one replica, but the Trainer "
+                    f"asks for {count} device(s) on {self.num_nodes} node(s). Pass "
+                    "devices=1, or use strategy='mirrored' for several devices.")
+            return OneDeviceStrategy(devices[0])
+        if device_type not in ("cpu", "cuda"):
+            raise ValueError(
+                f"Trainer(strategy={self._kind!r}) runs on CPU or CUDA devices, not "
+                f"{device_type}. Pass accelerator='cpu' or 'cuda'.")
+        names = [f"cpu:{i}" for i in range(count)] if device_type == "cpu" else \
+            [str(d) for d in devices]
+        if self._kind == "multi_worker_mirrored":
+            # One replica per Trainer device on each machine; the machines come from
+            # torchrun's environment (or TF_CONFIG).
+            strategy = MultiWorkerMirroredStrategy(devices=names)
+            if strategy.num_replicas_in_sync != count * self.num_nodes:
+                raise ValueError(
+                    f"Trainer(num_nodes={self.num_nodes}, devices={count}) asks for "
+                    f"{count * self.num_nodes} replicas, but the job has "
+                    f"{strategy.num_replicas_in_sync}. Pass num_nodes= the number of "
+                    "machines and devices= the processes per machine.")
+            return strategy
+        if self.num_nodes != 1:
+            raise ValueError(
+                f"Trainer(strategy='mirrored') runs on one machine, but num_nodes="
+                f"{self.num_nodes}. Use strategy='multi_worker_mirrored' (under "
+                "torchrun) for several machines, or pass num_nodes=1.")
+        try:
+            return MirroredStrategy(devices=names)
+        except RuntimeError as error:
+            if "interactive" not in str(error) and "pytest" not in str(error):
+                raise
+            raise RuntimeError(
+                f"{error} With Lightning, use Trainer(strategy='mirrored_notebook') "
+                "to start the replicas at fit time instead.") from error
+
+    def _configure_launcher(self):
+        if self._start_method == "popen":
+            self._launcher = None    # building the strategy launched the replicas
+        else:
+            launcher = _compat.lightning_multiprocessing_launcher(self.lightning.name)
+            self._launcher = launcher(
+                self, start_method=self._start_method)
+
+    # -- set-up --------------------------------------------------------------------
+    def setup_environment(self):
+        if self._ts is None:
+            # A replica started by the multiprocessing launcher (notebooks): join the
+            # world the launcher set up, as under torchrun.
+            local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            count = self.num_processes
+            os.environ.update({
+                "RANK": str(local_rank), "WORLD_SIZE": str(count),
+                "LOCAL_WORLD_SIZE": str(count),
+                "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1")})
+            self._ts = self._build_strategy()
+            self._set_rank_zero()
+        super().setup_environment()
+
+    def setup(self, trainer):
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        _mirror_module(self._ts, self.model)
+        fitting = trainer.state.fn == self.lightning.fitting
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _compat.lightning_optimizers_to_device(self.lightning.name, self.optimizers,
+                                                   self.root_device)
+
+    def model_to_device(self):
+        self.model.to(self.root_device)
+
+    # -- steps ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _replica_context(self):
+        ext = self._ts.extended
+        replica = ReplicaContext(self._ts, ext.replica_id,
+                                 ext.torch_device or torch.device("cpu"))
+        with context.enter(self._ts, replica):
+            yield
+
+    def training_step(self, *args, **kwargs):
+        with self._replica_context():
+            output = super().training_step(*args, **kwargs)
+        self._ts.extended.synchronize_buffers()
+        return output
+
+    def validation_step(self, *args, **kwargs):
+        with self._replica_context():
+            return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args, **kwargs):
+        with self._replica_context():
+            return super().test_step(*args, **kwargs)
+
+    def predict_step(self, *args, **kwargs):
+        with self._replica_context():
+            return super().predict_step(*args, **kwargs)
+
+    def backward(self, closure_loss, optimizer, *args, **kwargs):
+        # Lightning (DDP) averages gradients over replicas; the reducer sums them.
+        n = self.world_size
+        scaled = closure_loss if n == 1 else closure_loss * (1.0 / n)
+        super().backward(scaled, optimizer, *args, **kwargs)
+        return closure_loss.detach()
+
+    @contextlib.contextmanager
+    def block_backward_sync(self):
+        """Gradient accumulation: backward passes inside stay local."""
+        if self._ts is None:
+            yield
+            return
+        with self._ts.extended.no_sync():
+            yield
+
+    # -- collectives ---------------------------------------------------------------
+    def reduce(self, tensor, group=None, reduce_op="mean"):
+        """Reduces `tensor` over replicas ("mean"/"sum", torch's ReduceOp, or "max" /
+        "min"); a non-tensor is returned unchanged."""
+        comm = self._communicator()
+        if not isinstance(tensor, torch.Tensor) or comm is None or comm.world_size == 1:
+            return tensor
+        if group is not None and group is not dist.group.WORLD:
+            raise ValueError("LightningStrategy reduces over all replicas; a process "
+                             "subgroup is not supported.")
+        op = _reduce_op(reduce_op)
+        if isinstance(op, ReduceOp):
+            if op is ReduceOp.MEAN and not tensor.is_floating_point():
+                tensor = tensor.float()
+            return comm.all_reduce([tensor], op)[0]
+        result = tensor.clone()
+        dist.all_reduce(result, op=op)
+        return result
+
+    def barrier(self, name=None):
+        comm = self._communicator()
+        if comm is not None:
+            comm.barrier()
+
+    def broadcast(self, obj, src=0):
+        comm = self._communicator()
+        if comm is None:
+            return obj
+        return comm.broadcast_object(obj, src=src)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry):
+        """Registers our names ("mirrored", "mirrored_notebook", ...) in
+        `strategy_registry`, Lightning's ``StrategyRegistry`` (Lightning's own hook for
+        a strategy class; `torchstrategy.lightning` calls it when it is imported)."""
+        registration.register_into(strategy_registry, cls.lightning.name, cls)
+
+    def __repr__(self):
+        inner = repr(self._ts) if self._ts is not None else \
+            f"kind={self._kind!r}, start_method={self._start_method!r}"
+        return f"LightningStrategy({inner})"
 
 
-def _unsupported_message(name):
-    return (f"{name} runs all its replicas inside one process (threads, or one XLA program), "
-            "but Lightning runs its training loop once per process, so the Lightning adapter "
-            "cannot drive it. Use Trainer(strategy='mirrored') (one process per device), or "
-            f"{name} with a custom training loop (strategy.run).")
+LightningStrategy.__doc__ = CLASS_DOC = """A Lightning strategy that runs the Trainer on a torchstrategy strategy.
 
+    ``Trainer(strategy=LightningStrategy(ts.MirroredStrategy(...)))``; the registered
+    names (``Trainer(strategy="mirrored")``, ...) build one from the Trainer's arguments.
+    ``LightningStrategy(...)`` returns an instance of the adapter class of the Lightning
+    package in use (``lightning.pytorch`` or ``pytorch_lightning``: the one imported,
+    ``lightning.pytorch`` if both are; pass ``package=`` to choose), a subclass of that
+    package's ``ParallelStrategy`` and of this class, so ``isinstance(s,
+    LightningStrategy)`` holds for either package.
 
-def _check_kind_supported(kind):
-    name = {"central_storage": "CentralStorageStrategy", "tpu": "TPUStrategy"}.get(kind)
-    if name is not None:
-        raise ValueError(_unsupported_message(name))
+    Args:
+      strategy: a torchstrategy strategy that runs one replica per process: the default
+        strategy, ``OneDeviceStrategy``, ``MirroredStrategy`` (and the multi-worker one).
+        Creating it is what launches the replicas (re-execution of ``python train.py``,
+        or joining torchrun's world), so the Trainer's ``devices``, ``num_nodes`` and
+        ``accelerator`` must agree with it or be left at "auto" (a clear error otherwise).
+      kind: instead of `strategy`, the name of a strategy to build from the Trainer's
+        ``accelerator``/``devices``/``num_nodes`` ("mirrored", "one_device",
+        "multi_worker_mirrored"): what the registered names ``Trainer(strategy="mirrored")``
+        do.
+      start_method: with `kind`: "popen" (default) builds the strategy when the Trainer is
+        built (re-executing ``python train.py`` for the other replicas, or joining
+        torchrun); "fork" (kind "mirrored" only; notebooks: ``Trainer(strategy=
+        "mirrored_notebook")``) forks the replicas at ``fit``/``validate``/... and brings
+        the trained weights back into the calling process, as Lightning's ``ddp_notebook``
+        does.
+      package: "lightning.pytorch" or "pytorch_lightning" (default: the one in use).
+      accelerator / checkpoint_io / precision_plugin: as for any Lightning strategy.
 
-
-def _check_supported(strategy):
-    """The adapter runs Lightning's loop once per process, so every process must host
-    exactly one replica, communicating over torch.distributed."""
-    from torchstrategy.collectives.communicator import Communicator
-    from torchstrategy.strategies.base import Strategy
-
-    if not isinstance(strategy, Strategy):
-        raise TypeError(f"LightningStrategy wraps a torchstrategy strategy, got "
-                        f"{type(strategy).__name__}.")
-    name = type(strategy).__name__
-    comm = getattr(strategy.extended, "communicator", None)
-    if name in _ONE_PROCESS_STRATEGIES or not isinstance(comm, Communicator) or \
-            comm.world_size != strategy.num_replicas_in_sync:
-        raise ValueError(_unsupported_message(name))
-
-
-def _mirror_module(strategy, module):
-    """Records `module`'s parameters and buffers as mirrored by `strategy` (what creating
-    it inside ``strategy.scope()`` would have done): they are broadcast from replica 0 and
-    the parameters join the gradient reducer. Already recorded tensors are skipped."""
-    ext = strategy.extended
-    state = ext._mirrored
-    for param in module.parameters():
-        state.add_parameter(param)
-    for submodule in module.modules():
-        for name, buffer in submodule._buffers.items():
-            if buffer is not None and name not in submodule._non_persistent_buffers_set:
-                state.add_buffer(submodule, name)
-    ext._sync_mirrored_state()
+    Raises:
+      ValueError: at construction, for anything but exactly one of `strategy` and `kind`,
+        an unknown `kind`, `start_method` or `package` (the message names the accepted
+        values), or a strategy that runs several replicas in one process.
+      TypeError: a `strategy` that is not a torchstrategy strategy.
+    """

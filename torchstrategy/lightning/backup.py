@@ -12,142 +12,152 @@ of resumable dataloaders. The callback adds what a Lightning checkpoint lacks: e
 replica's random number generators, so the run continues with the numbers it would have
 drawn.
 
-The class is built for the Lightning package in use the first time one is made, so
-``import torchstrategy`` never imports Lightning.
+`CallbackMixin` holds the behaviour; `torchstrategy.lightning.lightning_pytorch` and
+`.pytorch_lightning` each define ``BackupAndRestoreCallback(CallbackMixin, Callback)`` for
+their package. This module imports no Lightning.
 """
 import os
 
+from torchstrategy import _compat
 from torchstrategy import backup_and_restore as _backup
+from torchstrategy.lightning import adapter
 
 _FILE = "backup.ckpt"
-_classes = {}
 
 
-def callback_class(package):
-    """The callback class for `package` ("lightning.pytorch" or "pytorch_lightning")."""
-    if package not in _classes:
-        _classes[package] = _build_class(package)
-    return _classes[package]
+def callback_class(package=None):
+    """The callback class of `package` ("lightning.pytorch" or "pytorch_lightning"; None:
+    the one in use), a subclass of that package's ``Callback``."""
+    return adapter.package_module(package or adapter.packages_in_use()[0]) \
+        .BackupAndRestoreCallback
 
 
-def _build_class(package):
-    import importlib
+class BackupAndRestoreCallback:
+    # The docstring is CLASS_DOC, at the end of this module.
+    # This class holds the callback's behaviour and is what isinstance checks against;
+    # `torchstrategy.lightning.lightning_pytorch` and `.pytorch_lightning` each combine it
+    # with their package's ``Callback`` and set `package`.
 
-    Callback = importlib.import_module(f"{package}.callbacks").Callback
+    package = None   # "lightning.pytorch" or "pytorch_lightning", set by the subclass
 
-    class BackupAndRestoreCallback(Callback):
-        __doc__ = _CLASS_DOC
+    def __new__(cls, *args, package=None, **kwargs):
+        # BackupAndRestoreCallback(...) makes an instance of the callback class of the
+        # Lightning package in use (or of `package`).
+        adapter.check_package(package)
+        if cls.package is not None and package in (None, cls.package):
+            return super().__new__(cls)
+        target = callback_class(package)
+        if issubclass(target, cls):
+            return super().__new__(target)   # type() then calls target's __init__
+        # The other package's class was called with package=: build it whole.
+        return target(*args, package=package, **kwargs)
 
-        def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True):
-            _backup.BackupAndRestore(backup_dir, save_freq)  # the same argument checks
-            self.backup_dir = os.path.abspath(os.fspath(backup_dir))
-            self.save_freq = save_freq
-            self.delete_checkpoint = delete_checkpoint
-            self.restored = False
-            self._trainer = None
-            self._restored_global_step = None
+    def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True, *,
+                 package=None):
+        adapter.check_package(package)
+        _backup.BackupAndRestore(backup_dir, save_freq)  # the same argument checks
+        self.backup_dir = os.path.abspath(os.fspath(backup_dir))
+        self.save_freq = save_freq
+        self.delete_checkpoint = delete_checkpoint
+        self.restored = False
+        self._trainer = None
+        self._restored_global_step = None
+        self._rng_to_apply = None
+        self._at_epoch_end = False
+
+    @property
+    def path(self):
+        """The backup file: ``backup_dir/backup.ckpt`` (a Lightning checkpoint)."""
+        return os.path.join(self.backup_dir, _FILE)
+
+    @property
+    def state_key(self):
+        return f"BackupAndRestoreCallback[{self.backup_dir}]"
+
+    def setup(self, trainer, pl_module, stage):
+        self._trainer = trainer
+        if stage != "fit":
+            return
+        exists = os.path.exists(self.path) if trainer.is_global_zero else None
+        if not trainer.strategy.broadcast(exists, src=0):
+            return
+        # Lightning's resume, started here because the path is only known now: it
+        # loads the checkpoint and restores model and callbacks; the Trainer then
+        # restores loops, optimizers and schedulers from the loaded checkpoint.
+        _compat.lightning_restore_from_checkpoint(trainer, self.path)
+        self.restored = True
+
+    def on_train_start(self, trainer, pl_module):
+        if self.restored and trainer.global_step != self._restored_global_step:
+            raise RuntimeError(
+                f"BackupAndRestoreCallback restored {self.path} at global step "
+                f"{self._restored_global_step}, but the Trainer is at step "
+                f"{trainer.global_step}: another checkpoint replaced it (was fit() given "
+                f"ckpt_path=?). Remove the backup or the ckpt_path argument.")
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        # A backup from the middle of an epoch: applied just before the next step, so
+        # the step draws the numbers the interrupted run would have drawn.
+        if self._rng_to_apply is not None:
+            _backup._set_rng_state(self._rng_to_apply)
             self._rng_to_apply = None
-            self._at_epoch_end = False
 
-        @property
-        def path(self):
-            """The backup file: ``backup_dir/backup.ckpt`` (a Lightning checkpoint)."""
-            return os.path.join(self.backup_dir, _FILE)
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.save_freq != "epoch" and trainer.global_step % self.save_freq == 0:
+            self._save(trainer, trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
 
-        @property
-        def state_key(self):
-            return f"BackupAndRestoreCallback[{self.backup_dir}]"
+    def on_train_epoch_end(self, trainer, pl_module):
+        if self.save_freq == "epoch":
+            self._save(trainer, at_epoch_end=True)
 
-        def setup(self, trainer, pl_module, stage):
-            self._trainer = trainer
-            if stage != "fit":
-                return
-            exists = os.path.exists(self.path) if trainer.is_global_zero else None
-            if not trainer.strategy.broadcast(exists, src=0):
-                return
-            # Lightning's resume, started here because the path is only known now: it
-            # loads the checkpoint and restores model and callbacks; the Trainer then
-            # restores loops, optimizers and schedulers from the loaded checkpoint.
-            # weights_only=False: the backup holds NumPy's generator state, and it is this
-            # job's own file.
-            trainer._checkpoint_connector._restore_modules_and_callbacks(
-                self.path, weights_only=False)
-            self.restored = True
+    def on_fit_end(self, trainer, pl_module):
+        # Reached only when fit returns normally (an exception skips it).
+        if self.delete_checkpoint and trainer.is_global_zero:
+            if os.path.exists(self.path):
+                os.unlink(self.path)
+            if os.path.isdir(self.backup_dir) and not os.listdir(self.backup_dir):
+                os.rmdir(self.backup_dir)
+        trainer.strategy.barrier("BackupAndRestoreCallback.on_fit_end")
 
-        def on_train_start(self, trainer, pl_module):
-            if self.restored and trainer.global_step != self._restored_global_step:
-                raise RuntimeError(
-                    f"BackupAndRestoreCallback restored {self.path} at global step "
-                    f"{self._restored_global_step}, but the Trainer is at step "
-                    f"{trainer.global_step}: another checkpoint replaced it (was fit() given "
-                    f"ckpt_path=?). Remove the backup or the ckpt_path argument.")
+    def _save(self, trainer, at_epoch_end):
+        # Every replica takes part (the checkpoint collects every replica's state);
+        # the chief writes a temporary file, flushes it and renames it over the
+        # backup, so a crash while writing leaves the previous backup whole.
+        self._at_epoch_end = at_epoch_end
+        temporary = os.path.join(self.backup_dir, f".{_FILE}.tmp")
+        trainer.save_checkpoint(temporary)
+        if trainer.is_global_zero:
+            with open(temporary, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(temporary, self.path)
+        trainer.strategy.barrier("BackupAndRestoreCallback._save")
 
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            # A backup from the middle of an epoch: applied just before the next step, so
-            # the step draws the numbers the interrupted run would have drawn.
-            if self._rng_to_apply is not None:
-                _backup._set_rng_state(self._rng_to_apply)
-                self._rng_to_apply = None
+    def state_dict(self):
+        # Called on every replica while a checkpoint is made; gathers every
+        # replica's generators (the chief writes them all).
+        trainer = self._trainer
+        return {"rng": _backup._gather_to_chief(_backup._rng_state()),
+                "at_epoch_end": self._at_epoch_end,
+                "global_step": trainer.global_step if trainer is not None else 0}
 
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if self.save_freq != "epoch" and trainer.global_step % self.save_freq == 0:
-                self._save(trainer, trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
-
-        def on_train_epoch_end(self, trainer, pl_module):
-            if self.save_freq == "epoch":
-                self._save(trainer, at_epoch_end=True)
-
-        def on_fit_end(self, trainer, pl_module):
-            # Reached only when fit returns normally (an exception skips it).
-            if self.delete_checkpoint and trainer.is_global_zero:
-                if os.path.exists(self.path):
-                    os.unlink(self.path)
-                if os.path.isdir(self.backup_dir) and not os.listdir(self.backup_dir):
-                    os.rmdir(self.backup_dir)
-            trainer.strategy.barrier("BackupAndRestoreCallback.on_fit_end")
-
-        def _save(self, trainer, at_epoch_end):
-            # Every replica takes part (the checkpoint collects every replica's state);
-            # the chief writes a temporary file, flushes it and renames it over the
-            # backup, so a crash while writing leaves the previous backup whole.
-            self._at_epoch_end = at_epoch_end
-            temporary = os.path.join(self.backup_dir, f".{_FILE}.tmp")
-            trainer.save_checkpoint(temporary)
-            if trainer.is_global_zero:
-                with open(temporary, "rb+") as f:
-                    os.fsync(f.fileno())
-                os.replace(temporary, self.path)
-            trainer.strategy.barrier("BackupAndRestoreCallback._save")
-
-        def state_dict(self):
-            # Called on every replica while a checkpoint is made; gathers every
-            # replica's generators (the chief writes them all).
-            trainer = self._trainer
-            return {"rng": _backup._gather_to_chief(_backup._rng_state()),
-                    "at_epoch_end": self._at_epoch_end,
-                    "global_step": trainer.global_step if trainer is not None else 0}
-
-        def load_state_dict(self, state_dict):
-            rng = state_dict["rng"]
-            rank = self._trainer.global_rank if self._trainer is not None else 0
-            if len(rng) != (self._trainer.world_size if self._trainer is not None else 1):
-                raise ValueError(
-                    f"The backup in {self.backup_dir} was written by {len(rng)} replicas but "
-                    f"this run has {self._trainer.world_size}: resume with the same number "
-                    f"of replicas, or remove the backup to start afresh.")
-            if state_dict["at_epoch_end"]:
-                # Applied now, before the Trainer makes the next epoch's data iterator
-                # (which draws a seed), as the uninterrupted run did after the backup.
-                _backup._set_rng_state(rng[rank])
-            else:
-                self._rng_to_apply = rng[rank]
-            self._restored_global_step = state_dict["global_step"]
-
-    BackupAndRestoreCallback.__module__ = __name__
-    return BackupAndRestoreCallback
+    def load_state_dict(self, state_dict):
+        rng = state_dict["rng"]
+        rank = self._trainer.global_rank if self._trainer is not None else 0
+        if len(rng) != (self._trainer.world_size if self._trainer is not None else 1):
+            raise ValueError(
+                f"The backup in {self.backup_dir} was written by {len(rng)} replicas but "
+                f"this run has {self._trainer.world_size}: resume with the same number "
+                f"of replicas, or remove the backup to start afresh.")
+        if state_dict["at_epoch_end"]:
+            # Applied now, before the Trainer makes the next epoch's data iterator
+            # (which draws a seed), as the uninterrupted run did after the backup.
+            _backup._set_rng_state(rng[rank])
+        else:
+            self._rng_to_apply = rng[rank]
+        self._restored_global_step = state_dict["global_step"]
 
 
-_CLASS_DOC = """Backs a Lightning ``fit`` up as it runs and resumes it when run again.
+BackupAndRestoreCallback.__doc__ = CLASS_DOC = """Backs a Lightning ``fit`` up as it runs and resumes it when run again.
 
     Keras's ``tf.keras.callbacks.BackupAndRestore`` for ``Trainer.fit``: when ``fit``
     starts and ``backup_dir`` holds a backup, training continues from it (model,
@@ -165,11 +175,17 @@ _CLASS_DOC = """Backs a Lightning ``fit`` up as it runs and resumes it when run 
     protocol, e.g. torchdata's ``StatefulDataLoader``); with a plain ``DataLoader``,
     Lightning restarts that epoch's data from its beginning and warns.
 
+    ``BackupAndRestoreCallback(...)`` returns an instance of the callback class of the
+    Lightning package in use (pass ``package=`` to choose), a subclass of that package's
+    ``Callback`` and of this class, for ``Trainer(callbacks=[...])``.
+
     Args:
       backup_dir: directory of this job's backup (``backup_dir/backup.ckpt``).
       save_freq: ``"epoch"``, or a positive int N: every N optimizer steps.
       delete_checkpoint: delete the backup when ``fit`` completes.
+      package: "lightning.pytorch" or "pytorch_lightning" (default: the one in use).
 
     Raises:
-      ValueError: a ``save_freq`` that is neither "epoch" nor a positive int.
+      ValueError: a ``save_freq`` that is neither "epoch" nor a positive int, or an
+        unknown `package`.
     """
