@@ -177,7 +177,7 @@ class CentralStorageExtended(StrategyExtended):
         self._compute_devices = tuple(compute_devices)
         self._parameter_device = parameter_device
         self._timeout = timeout_seconds
-        self._mirrored = mirroring.MirroredState()
+        self._recorded = mirroring.MirroredState()
         self._threads = _ThreadCommunicator(parameter_device)
         # One replica computing where the parameters are needs no thread and no copies.
         self._threaded = len(compute_devices) > 1 or compute_devices[0] != parameter_device
@@ -230,20 +230,21 @@ class CentralStorageExtended(StrategyExtended):
         """
         self.synchronize_mirrored_state()
         if not self._threaded:
-            replica = ReplicaContext(self._container, 0, self._parameter_device)
-            with context.enter(self._container, replica), _device_guard(self._parameter_device):
+            device = self._parameter_device
+            replica = ReplicaContext(self._container, 0, device)
+            with context.enter(self._container, replica), _on_cuda_device(device):
                 return fn(*values.local_component(args), **values.local_component(kwargs))
         devices = self._compute_devices
         n = len(devices)
         group = ReplicaGroup(n, self._timeout)
-        session = central_reads.RunSession(group, self._mirrored.parameters,
-                                           self._mirrored.buffers(), devices,
+        session = central_reads.RunSession(group, self._recorded.parameters,
+                                           self._recorded.buffers(), devices,
                                            self._parameter_device)
         session.strategy = self._container
 
         def replica_fn(r):
             replica = _CentralReplicaContext(self._container, r, devices[r])
-            with context.enter(self._container, replica), _device_guard(devices[r]), \
+            with context.enter(self._container, replica), _on_cuda_device(devices[r]), \
                     session.replicas[r]:
                 return fn(*values.local_component(args, r),
                           **values.local_component(kwargs, r))
@@ -355,19 +356,19 @@ class CentralStorageExtended(StrategyExtended):
         return contextlib.nullcontext()
 
     def record_parameter(self, module, name, param):
-        self._mirrored.add_parameter(param)
+        self._recorded.add_parameter(param)
 
     def record_buffer(self, module, name):
-        self._mirrored.add_buffer(module, name)
+        self._recorded.add_buffer(module, name)
 
     def record_variable(self, variable):
-        self._mirrored.add_tensor(variable.tensor, variable.trainable)
+        self._recorded.add_tensor(variable.tensor, variable.trainable)
 
     def synchronize_mirrored_state(self):
         """Takes what the scope recorded into the replicas' reads: there is one copy of
         each tensor, so nothing is sent anywhere (``run`` copies the parameters and buffers
         it finds recorded to each compute device)."""
-        self._mirrored.take_pending()
+        self._recorded.take_pending()
 
     # -- variables ---------------------------------------------------------------------
     def check_variable(self, variable):
@@ -417,7 +418,7 @@ class CentralStorageExtended(StrategyExtended):
         return parts[0] if n == 1 else values.wrap(parts, tuple(range(n)))
 
 
-def _device_guard(device):
+def _on_cuda_device(device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
