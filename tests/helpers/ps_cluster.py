@@ -1,10 +1,13 @@
 """Module-level pieces the parameter-server tests schedule onto workers (sent by reference:
 the servers import this module by name, the repository root being on sys.path)."""
 import os
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from torchstrategy.parameter_server import embedding_lookup, rpc_world
 
 TRUE_W = torch.tensor([[1.5], [-2.0], [0.5], [3.0]])
 
@@ -59,14 +62,10 @@ def evaluate(model):
 
 
 def whoami():
-    from torchstrategy.parameter_server import rpc_world
-
     return rpc_world.current().name, os.getpid()
 
 
 def slow_whoami(seconds):
-    import time
-
     time.sleep(seconds)
     return whoami()
 
@@ -99,14 +98,10 @@ def embedding_step(model, optimizer, ids, target):
 
 
 def lookup(table, ids):
-    from torchstrategy.parameter_server import embedding_lookup
-
     return embedding_lookup(table, ids)
 
 
 def counted_slow_step(counter, seconds):
-    import time
-
     time.sleep(seconds)
     counter.assign_add(1.0)
     return whoami()

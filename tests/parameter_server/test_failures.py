@@ -109,9 +109,6 @@ time.sleep(600)
 
 def test_servers_die_with_the_process_that_started_them():
     """No orphans: SIGKILL the process that made a local cluster; its servers end too."""
-    import signal
-    import sys
-
     child = subprocess.Popen([sys.executable, "-c", _ORPHAN_CHILD], stdout=subprocess.PIPE,
                              text=True)
     try:
@@ -159,9 +156,6 @@ time.sleep(600)
 def test_servers_started_by_flags_exit_when_the_chief_dies():
     """Servers run on their own (`--cluster_spec` flags); a SIGKILLed chief cannot leave
     them hanging: they notice within seconds and exit with code 3."""
-    import signal
-    import sys
-
     spec = {"chief": [f"127.0.0.1:{_free_port()}"], "worker": ["127.0.0.1:1"],
             "ps": ["127.0.0.1:2"]}
     servers = [subprocess.Popen([sys.executable, "-m", "torchstrategy.server",

@@ -118,12 +118,12 @@ def test_embedding_lookup_fetches_only_the_rows_it_needs(cluster):
         table = ts.Variable(value, name="lookup_table")
     ids = torch.tensor([[1, 7], [7, 12]])
     served_before = [remote.call(s.ps, ps_store.rows_served, (s.key,))
-                     for s in table._layout.shards]
+                     for s in table.layout.shards]
     coordinator = ts.ClusterCoordinator(strategy)
     rows = coordinator.schedule(h.lookup, args=(table, ids)).fetch()   # on a worker
     torch.testing.assert_close(rows, value[ids])
     served = [remote.call(s.ps, ps_store.rows_served, (s.key,)) - b
-              for s, b in zip(table._layout.shards, served_before)]
+              for s, b in zip(table.layout.shards, served_before)]
     # rows 1 (shard 0), 7 (shard 2, once though looked up twice) and 12 (shard 4)
     assert served == [1, 0, 1, 0, 1]
     torch.testing.assert_close(ts.parameter_server.embedding_lookup(table, ids), value[ids])

@@ -18,19 +18,26 @@ As in TensorFlow (``tf.distribute.coordinator.ClusterCoordinator``):
   last checkpoint.
 """
 import collections
+import dataclasses
 import inspect
 import itertools
+import logging
 import threading
-import time
-import weakref
 
 import torch.distributed.rpc as rpc
 
 from torchstrategy import nest
-from torchstrategy.parameter_server import pickling, remote, rpc_world, server, worker_runtime
+from torchstrategy.parameter_server import pickling, remote, server, worker_runtime
+from torchstrategy.parameter_server.strategy import ParameterServerStrategy
+
+logger = logging.getLogger("torchstrategy")
 
 DEFAULT_CLOSURE_TIMEOUT_SECONDS = 600.0
-_REJOIN_POLL_SECONDS = 0.2
+# How long a lost worker's thread waits at a time for a process with its name to join again
+# (it is woken at once when a member joins; the bound lets it notice the cluster ending).
+_REJOIN_WAIT_SECONDS = 5.0
+_PING_TIMEOUT_SECONDS = 10
+_FORGET_TIMEOUT_SECONDS = 5
 
 
 class ClosureCancelledError(RuntimeError):
@@ -84,6 +91,11 @@ class PerWorkerValues:
         self._workers = tuple(workers)
 
     @property
+    def key(self):
+        """The name the workers keep their values under."""
+        return self._key
+
+    @property
     def workers(self):
         return self._workers
 
@@ -117,19 +129,218 @@ class PerWorkerDataset:
         return self._coordinator._make_per_worker_iterator(self._key)
 
 
-class _Closure:
-    __slots__ = ("payload", "remote_value")
+# -- what the coordinator keeps ----------------------------------------------------------
 
-    def __init__(self, payload, remote_value):
-        self.payload = payload
-        self.remote_value = remote_value
+@dataclasses.dataclass
+class _Closure:
+    """A scheduled function, pickled, and the `RemoteValue` its result goes to."""
+
+    payload: bytes
+    remote_value: RemoteValue
+
+
+@dataclasses.dataclass(frozen=True)
+class _PerWorkerDatasetSpec:
+    """``create_per_worker_dataset``: build ``dataset_fn`` on each worker under `key`."""
+
+    key: str
+    payload: bytes
+    wants_context: bool
+
+    def start_on(self, worker_name, worker_names, timeout):
+        input_context = None
+        if self.wants_context:
+            input_context = (len(worker_names), list(worker_names).index(worker_name))
+        return rpc.rpc_async(worker_name, worker_runtime.create_per_worker_value,
+                             args=(self.key, self.payload, input_context), timeout=timeout)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PerWorkerIteratorSpec:
+    """``iter(per_worker_dataset)``: each worker's value `key` is ``iter(source_key)``."""
+
+    key: str
+    source_key: str
+
+    def start_on(self, worker_name, worker_names, timeout):
+        return rpc.rpc_async(worker_name, worker_runtime.make_iterator,
+                             args=(self.key, self.source_key), timeout=timeout)
+
+
+class _ClosureQueue:
+    """The scheduled functions not run yet, those running, and the errors to raise.
+
+    Every change notifies one condition; worker threads block in `take`, ``join`` in
+    `wait_idle`.
+    """
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._queue = collections.deque()
+        self._inflight = 0
+        self._error = None        # first error of a scheduled function, raised once
+        self._ps_error = None     # a lost parameter server: fatal
+        self._stopped = False
+
+    @property
+    def stopped(self):
+        return self._stopped
+
+    def put(self, closure):
+        with self._cv:
+            self._queue.append(closure)
+            self._cv.notify_all()
+
+    def take(self):
+        """The next closure (counted as running), blocking until there is one; None once
+        the queue is stopped."""
+        with self._cv:
+            while not self._stopped and (not self._queue or self._ps_error is not None):
+                self._cv.wait()
+            if self._stopped:
+                return None
+            self._inflight += 1
+            return self._queue.popleft()
+
+    def put_back(self, closure):
+        """A running closure whose worker was lost goes back to the front of the queue."""
+        with self._cv:
+            self._queue.appendleft(closure)
+            self._inflight -= 1
+            self._cv.notify_all()
+
+    def finish(self, closure, value=None, error=None):
+        if error is not None:
+            closure.remote_value._set_error(error)
+        else:
+            closure.remote_value._set(value)
+        with self._cv:
+            self._inflight -= 1
+            self._cv.notify_all()
+
+    def fail(self, closure, error, worker_name):
+        """The closure's function failed: `error` is raised once by the coordinator, and
+        the closures still queued are cancelled."""
+        with self._cv:
+            if self._error is None:
+                self._error = error
+        self.finish(closure, error=error)
+        self._cancel_queued(ClosureCancelledError(
+            f"Not run: an earlier scheduled function failed on {worker_name} with "
+            f"{type(error).__name__}: {error}"))
+
+    def fail_parameter_server(self, closure, error):
+        """A parameter server is lost: every later call to the coordinator raises `error`."""
+        with self._cv:
+            if self._ps_error is None:
+                self._ps_error = error
+        self.finish(closure, error=error)
+        self._cancel_queued(error)
+
+    def _cancel_queued(self, error):
+        with self._cv:
+            queued, self._queue = list(self._queue), collections.deque()
+            self._cv.notify_all()
+        for closure in queued:
+            closure.remote_value._set_error(error)
+
+    def wait_idle(self):
+        """Blocks until nothing is queued or running, or an error is pending."""
+        with self._cv:
+            while (self._queue or self._inflight) and self._error is None \
+                    and self._ps_error is None and not self._stopped:
+                self._cv.wait()
+
+    def idle(self):
+        with self._cv:
+            return not self._queue and not self._inflight
+
+    def raise_pending(self):
+        with self._cv:
+            if self._ps_error is not None:
+                raise self._ps_error
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def stop(self):
+        """Wakes every waiter for good (the cluster is gone)."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+
+    def counts(self):
+        with self._cv:
+            return len(self._queue), self._inflight
 
 
 class _Worker:
-    def __init__(self, name):
+    """One worker of the cluster and the thread that runs closures there, one at a time.
+
+    A worker that is lost has its closure put back in the queue; its thread then waits for
+    a process with the same task name to join again, rebuilds the per-worker values there
+    and takes closures again.
+    """
+
+    def __init__(self, coordinator, name):
         self.name = name
         self.alive = True
-        self.thread = None
+        self._coordinator = coordinator
+        self.thread = threading.Thread(target=self._loop, name=f"torchstrategy-{name}",
+                                       daemon=True)
+
+    def _loop(self):
+        queue = self._coordinator.closure_queue
+        while not queue.stopped:
+            if not self.alive:
+                self._await_rejoin()
+                continue
+            closure = queue.take()
+            if closure is None:
+                return
+            self._run(closure)
+
+    def _run(self, closure):
+        coordinator = self._coordinator
+        queue = coordinator.closure_queue
+        try:
+            future = rpc.rpc_async(self.name, worker_runtime.run_closure,
+                                   args=(closure.payload,),
+                                   timeout=coordinator.closure_timeout)
+            result = future.wait()
+        except Exception as error:  # any failure of the call itself; sorted out below
+            if not remote.is_transport_error(error):
+                # The call failed on the worker (e.g. the result could not be pickled): the
+                # function's failure, not the worker's.
+                queue.fail(closure, error, self.name)
+                return
+            # The worker is gone: give the closure back (at the front) and drop the worker.
+            self.alive = False
+            queue.put_back(closure)
+            coordinator.forget_worker(self.name)
+            return
+        if result.ok:
+            queue.finish(closure, value=result.value)
+        elif result.error_kind == "ps":
+            queue.fail_parameter_server(closure, result.error)
+        else:
+            queue.fail(closure, _with_remote_trace(result.error, self.name, result.trace),
+                       self.name)
+
+    def _await_rejoin(self):
+        """Blocks until a process named like this worker is back in the group and its
+        per-worker values are rebuilt (or the cluster ends, or a bounded wait passed)."""
+        coordinator = self._coordinator
+        if coordinator.membership.wait_for_members({self.name}, _REJOIN_WAIT_SECONDS):
+            return  # not back yet: the caller loops (and stops when the cluster ends)
+        try:
+            rpc.rpc_sync(self.name, server.ping, timeout=_PING_TIMEOUT_SECONDS)
+            coordinator.replay_per_worker(self.name)
+        except Exception as error:  # whatever failed, the new process is unusable: drop it
+            logger.warning(f"{self.name} rejoined but could not be set up again: {error}")
+            coordinator.forget_worker(self.name)
+            return
+        self.alive = True
 
 
 class ClusterCoordinator:
@@ -145,45 +356,55 @@ class ClusterCoordinator:
     """
 
     def __new__(cls, strategy, closure_timeout=DEFAULT_CLOSURE_TIMEOUT_SECONDS):
-        from torchstrategy.parameter_server.strategy import ParameterServerStrategy
-
         if not isinstance(strategy, ParameterServerStrategy):
             raise TypeError(f"ClusterCoordinator needs a ParameterServerStrategy, got "
                             f"{type(strategy).__name__}.")
-        existing = strategy._coordinator
+        existing = strategy.extended.coordinator
         if existing is not None:
             return existing
         self = super().__new__(cls)
-        strategy._coordinator = self
         self._init(strategy, closure_timeout)
+        winner = strategy.extended.attach_coordinator(self)
+        if winner is not self:  # another thread made one meanwhile: keep that one
+            self._queue.stop()
+            return winner
+        for worker in self._workers.values():
+            worker.thread.start()
         return self
 
     def _init(self, strategy, closure_timeout):
         self._strategy = strategy
         ext = strategy.extended
-        self._membership = ext._membership
+        self._membership = ext.membership
         self._closure_timeout = closure_timeout
-        self._cv = threading.Condition()
-        self._queue = collections.deque()
-        self._inflight = 0
-        self._error = None          # first user error, raised once
-        self._ps_error = None       # fatal
+        self._queue = _ClosureQueue()
         self._keys = itertools.count()
-        self._per_worker_specs = []  # ("dataset", key, payload, wants_context) | ("iter", key, src)
+        self._per_worker_specs = []
         self._spec_lock = threading.Lock()
-        self._workers = {name: _Worker(name) for name in ext.worker_devices}
-        for worker in self._workers.values():
-            worker.thread = threading.Thread(target=_worker_loop,
-                                             args=(weakref.ref(self), worker),
-                                             name=f"torchstrategy-{worker.name}", daemon=True)
-            worker.thread.start()
+        self._workers = {name: _Worker(self, name) for name in ext.worker_devices}
+        # The worker threads end when the chief leaves the cluster.
+        self._membership.on_leave(self._queue.stop)
 
     def __init__(self, strategy, closure_timeout=DEFAULT_CLOSURE_TIMEOUT_SECONDS):
-        pass  # set up once in __new__
+        """Everything is set up once, in ``__new__`` (which may return an existing
+        coordinator, which must not be set up again)."""
 
     @property
     def strategy(self):
         return self._strategy
+
+    @property
+    def closure_queue(self):
+        """The `_ClosureQueue` the worker threads take from."""
+        return self._queue
+
+    @property
+    def closure_timeout(self):
+        return self._closure_timeout
+
+    @property
+    def membership(self):
+        return self._membership
 
     # -- scheduling ----------------------------------------------------------------------------
     def schedule(self, fn, args=None, kwargs=None):
@@ -202,15 +423,13 @@ class ClusterCoordinator:
           The error of an earlier scheduled function, if one failed since the last raise.
           ParameterServerUnavailableError: when a parameter server is lost.
         """
-        self._raise_pending()
+        self._queue.raise_pending()
         if not callable(fn):
             raise TypeError(f"schedule needs a function, got {type(fn).__name__}.")
         payload, _ = pickling.dumps((fn, tuple(args or ()), dict(kwargs or {})),
-                                    self._strategy.extended._reference)
+                                    self._reference)
         remote_value = RemoteValue()
-        with self._cv:
-            self._queue.append(_Closure(payload, remote_value))
-            self._cv.notify_all()
+        self._queue.put(_Closure(payload, remote_value))
         return remote_value
 
     def join(self):
@@ -220,17 +439,13 @@ class ClusterCoordinator:
           The first error of a scheduled function since the last raise (the functions
           still queued are cancelled), or ParameterServerUnavailableError.
         """
-        with self._cv:
-            while (self._queue or self._inflight) and self._error is None \
-                    and self._ps_error is None:
-                self._cv.wait(1.0)
-        self._raise_pending()
+        self._queue.wait_idle()
+        self._queue.raise_pending()
 
     def done(self):
         """True when every scheduled function has run; raises as `join` does."""
-        self._raise_pending()
-        with self._cv:
-            return not self._queue and not self._inflight
+        self._queue.raise_pending()
+        return self._queue.idle()
 
     def fetch(self, val):
         """The values of the `RemoteValue`s in `val` (a `RemoteValue` or a nested structure
@@ -240,13 +455,10 @@ class ClusterCoordinator:
         return nest.map_structure(
             lambda leaf: leaf.fetch() if isinstance(leaf, RemoteValue) else leaf, val)
 
-    def _raise_pending(self):
-        with self._cv:
-            if self._ps_error is not None:
-                raise self._ps_error
-            error, self._error = self._error, None
-        if error is not None:
-            raise error
+    def _reference(self, obj):
+        if isinstance(obj, PerWorkerValues):
+            return ("per_worker", obj.key)
+        return self._strategy.extended.reference(obj)
 
     # -- per-worker values -------------------------------------------------------------------
     def create_per_worker_dataset(self, dataset_fn):
@@ -258,78 +470,83 @@ class ClusterCoordinator:
         Raises:
           TypeError: when `dataset_fn` cannot be pickled.
         """
-        self._raise_pending()
+        self._queue.raise_pending()
         wants_context = _takes_an_argument(dataset_fn)
-        payload, _ = pickling.dumps((dataset_fn, (), False), self._strategy.extended._reference)
-        key = f"{self._strategy.extended._prefix}/per_worker/{next(self._keys)}"
-        self._add_per_worker(("dataset", key, payload, wants_context))
+        payload, _ = pickling.dumps((dataset_fn, (), False), self._reference)
+        key = self._new_key()
+        self._add_per_worker(_PerWorkerDatasetSpec(key, payload, wants_context))
         return PerWorkerDataset(self, key)
 
     def _make_per_worker_iterator(self, source_key):
-        key = f"{self._strategy.extended._prefix}/per_worker/{next(self._keys)}"
-        self._add_per_worker(("iter", key, source_key))
+        key = self._new_key()
+        self._add_per_worker(_PerWorkerIteratorSpec(key, source_key))
         return PerWorkerIterator(key, self._workers)
 
+    def _new_key(self):
+        return f"{self._strategy.extended.key_prefix}/per_worker/{next(self._keys)}"
+
     def _add_per_worker(self, spec):
+        names = list(self._workers)
         with self._spec_lock:
             self._per_worker_specs.append(spec)
             calls = []
             for worker in self._workers.values():
                 if worker.alive:
                     try:
-                        calls.append((worker, _apply_spec_async(self, worker.name, spec)))
-                    except Exception:
-                        pass  # the worker thread notices the death; rejoin replays specs
-            for worker, future in calls:
+                        calls.append(spec.start_on(worker.name, names, self._closure_timeout))
+                    except RuntimeError:
+                        # The agent already knows the worker is gone: its thread notices,
+                        # and the specs are replayed when it rejoins.
+                        continue
+            for future in calls:
                 try:
                     future.wait()
-                except Exception as error:
+                except Exception as error:  # the worker's own error arrives as its own type
                     if not remote.is_transport_error(error):
                         raise
-        return spec
+                    # A worker lost meanwhile gets the specs replayed when it rejoins.
 
-    def _replay_per_worker(self, name):
+    def replay_per_worker(self, name):
+        """Rebuilds every per-worker value on the worker `name` (after it rejoined)."""
+        names = list(self._workers)
         with self._spec_lock:
             for spec in self._per_worker_specs:
-                _apply_spec_async(self, name, spec).wait()
+                spec.start_on(name, names, self._closure_timeout).wait()
 
     # -- failures ------------------------------------------------------------------------------
-    def _forget_worker(self, worker):
+    def forget_worker(self, name):
         """Drops a dead worker from the rpc group everywhere, so a restarted process with the
         same name can join."""
         members = self._membership.live_members()
-        rank = members.get(worker.name)
+        rank = members.get(name)
         if rank is None:
             return
         try:
-            self._membership.drop(worker.name, rank)
-        except Exception:
-            pass
+            self._membership.drop(name, rank)
+        except (RuntimeError, TimeoutError) as error:
+            # The store or its membership token is unavailable: the members told below
+            # still forget it, and a rejoining process is refused until the store recovers.
+            logger.warning(f"could not drop {name} from the cluster's store: {error}")
         futures = []
-        for name in members:
-            if name not in (worker.name, self._membership.name):
+        for member in members:
+            if member not in (name, self._membership.name):
                 try:
-                    futures.append(rpc.rpc_async(name, server._forget_member,
-                                                 args=(worker.name, rank), timeout=5))
-                except Exception:
-                    pass
+                    futures.append(rpc.rpc_async(member, server.forget_member,
+                                                 args=(name, rank),
+                                                 timeout=_FORGET_TIMEOUT_SECONDS))
+                except RuntimeError as error:
+                    # That member is gone too; it is dropped when its own loss is noticed.
+                    logger.debug(f"could not tell {member} that {name} is gone: {error}")
         for future in futures:
             try:
                 future.wait()
-            except Exception:
-                pass
-
-    def _fail_all_queued(self, error):
-        with self._cv:
-            queued, self._queue = list(self._queue), collections.deque()
-            self._cv.notify_all()
-        for closure in queued:
-            closure.remote_value._set_error(error)
+            except RuntimeError as error:
+                logger.debug(f"a member did not hear that {name} is gone: {error}")
 
     def __repr__(self):
-        with self._cv:
-            return (f"ClusterCoordinator(workers={list(self._workers)}, queued="
-                    f"{len(self._queue)}, running={self._inflight})")
+        queued, running = self._queue.counts()
+        return (f"ClusterCoordinator(workers={list(self._workers)}, queued={queued}, "
+                f"running={running})")
 
 
 def _takes_an_argument(fn):
@@ -337,123 +554,14 @@ def _takes_an_argument(fn):
         parameters = [p for p in inspect.signature(fn).parameters.values()
                       if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY,
                                                              p.POSITIONAL_OR_KEYWORD)]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError):  # no signature (a builtin): called without arguments
         return False
     return len(parameters) >= 1
-
-
-def _apply_spec_async(coordinator, worker_name, spec):
-    timeout = coordinator._closure_timeout
-    if spec[0] == "dataset":
-        _, key, payload, wants_context = spec
-        context = None
-        if wants_context:
-            names = list(coordinator._workers)
-            context = (len(names), names.index(worker_name))
-        return rpc.rpc_async(worker_name, worker_runtime.create_per_worker_value,
-                             args=(key, payload, context), timeout=timeout)
-    _, key, source = spec
-    return rpc.rpc_async(worker_name, worker_runtime.make_iterator, args=(key, source),
-                         timeout=timeout)
-
-
-def _worker_loop(coordinator_ref, worker):
-    """One thread per worker: runs queued closures there one at a time."""
-    while True:
-        coordinator = coordinator_ref()
-        if coordinator is None or rpc_world.current() is not coordinator._membership:
-            return  # the coordinator or the cluster is gone
-        if not worker.alive:
-            if not _wait_for_rejoin(coordinator, worker):
-                del coordinator
-                continue
-        with coordinator._cv:
-            if not coordinator._queue or coordinator._ps_error is not None:
-                coordinator._cv.wait(0.5)
-                del coordinator
-                continue
-            closure = coordinator._queue.popleft()
-            coordinator._inflight += 1
-        _run_on(coordinator, worker, closure)
-        del coordinator
-
-
-def _run_on(coordinator, worker, closure):
-    try:
-        future = rpc.rpc_async(worker.name, worker_runtime.run_closure,
-                               args=(closure.payload,), timeout=coordinator._closure_timeout)
-        result = future.wait()
-    except Exception as error:
-        if not remote.is_transport_error(error):
-            # The call itself failed on the worker (e.g. the result could not be pickled):
-            # the function's failure, not the worker's.
-            _fail_closure(coordinator, worker, closure, error)
-            return
-        # The worker is gone: give the closure back (at the front) and drop the worker.
-        worker.alive = False
-        with coordinator._cv:
-            coordinator._queue.appendleft(closure)
-            coordinator._inflight -= 1
-            coordinator._cv.notify_all()
-        coordinator._forget_worker(worker)
-        return
-    if result[0] == "ok":
-        _finish(coordinator, closure, value=result[1])
-        return
-    _, kind, error, trace = result
-    if kind == "ps":
-        with coordinator._cv:
-            if coordinator._ps_error is None:
-                coordinator._ps_error = error
-        _finish(coordinator, closure, error=error)
-        coordinator._fail_all_queued(error)
-        return
-    _fail_closure(coordinator, worker, closure, _with_remote_trace(error, worker.name, trace))
-
-
-def _fail_closure(coordinator, worker, closure, error):
-    with coordinator._cv:
-        if coordinator._error is None:
-            coordinator._error = error
-    _finish(coordinator, closure, error=error)
-    coordinator._fail_all_queued(ClosureCancelledError(
-        f"Not run: an earlier scheduled function failed on {worker.name} with "
-        f"{type(error).__name__}: {error}"))
-
-
-def _finish(coordinator, closure, value=None, error=None):
-    if error is not None:
-        closure.remote_value._set_error(error)
-    else:
-        closure.remote_value._set(value)
-    with coordinator._cv:
-        coordinator._inflight -= 1
-        coordinator._cv.notify_all()
 
 
 def _with_remote_trace(error, worker_name, trace):
     try:
         error.add_note(f"Raised by the scheduled function on {worker_name}:\n{trace}")
-    except AttributeError:
-        pass
+    except AttributeError:  # not an exception with notes (Python < 3.11): keep it as is
+        return error
     return error
-
-
-def _wait_for_rejoin(coordinator, worker):
-    """Returns True once a process named like `worker` is back in the group and its
-    per-worker values are rebuilt; False after a short wait (the caller loops)."""
-    deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline:
-        if rpc_world.current() is not coordinator._membership:
-            return False
-        if worker.name in coordinator._membership.live_members():
-            try:
-                rpc.rpc_sync(worker.name, server.ping, timeout=10)
-                coordinator._replay_per_worker(worker.name)
-            except Exception:
-                coordinator._forget_worker(worker)
-                return False
-            worker.alive = True
-            return True
-        time.sleep(_REJOIN_POLL_SECONDS)
-    return False

@@ -9,7 +9,7 @@ address is 127.0.0.1 on a port the OS picked; this process is the chief. The ser
 when the ``with`` block ends, at interpreter exit, or when this process dies (they get
 SIGKILL from the kernel then), so none is left behind.
 """
-import atexit
+import ctypes
 import json
 import os
 import signal
@@ -17,11 +17,21 @@ import socket
 import subprocess
 import sys
 
+from torchstrategy import runtime
 from torchstrategy.cluster_resolver import SimpleClusterResolver
-from torchstrategy.launch.reexec import _die_with_parent
-from torchstrategy.parameter_server import rpc_world
+from torchstrategy.parameter_server import rpc_world, server
 
 _TERMINATE_GRACE_SECONDS = 5.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_chief():
+    """preexec_fn: the server gets SIGKILL when this process (the chief) dies (Linux)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:  # no glibc (not Linux): servers end when they lose the chief instead
+        return
 
 
 def _free_port():
@@ -46,7 +56,7 @@ class LocalCluster(SimpleClusterResolver):
         self._rpc_timeout = rpc_timeout
         self._processes = {}
         self._stopped = False
-        atexit.register(self.stop)
+        runtime.current().on_shutdown(f"parameter_server.local_cluster.{id(self)}", self.stop)
         for job in ("ps", "worker"):
             for index in range(len(spec[job])):
                 self.start_task(job, index)
@@ -68,7 +78,7 @@ class LocalCluster(SimpleClusterResolver):
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         self._processes[(job, index)] = subprocess.Popen(
-            self._command(job, index), env=env, preexec_fn=_die_with_parent)
+            self._command(job, index), env=env, preexec_fn=_die_with_chief)
         return self._processes[(job, index)]
 
     restart = start_task
@@ -92,9 +102,7 @@ class LocalCluster(SimpleClusterResolver):
         self._stopped = True
         current = rpc_world.current()
         if current is not None and current.spec == self.cluster_spec():
-            from torchstrategy.parameter_server.strategy import shutdown_cluster
-
-            shutdown_cluster(current)
+            server.shutdown_cluster(current)
         for process in self._processes.values():
             try:
                 process.wait(timeout=_TERMINATE_GRACE_SECONDS)

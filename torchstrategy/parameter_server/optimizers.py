@@ -19,6 +19,7 @@ import threading
 
 import torch
 
+from torchstrategy import _compat
 from torchstrategy.parameter_server import ps_store, remote
 
 
@@ -147,7 +148,7 @@ class RemoteOptimizer:
         settings with their version. Costs one comparison of the (small) settings."""
         # A scheduled step stands in for optimizer.step() on the chief: say so to torch's
         # lr schedulers, which warn about a scheduler stepped before its optimizer.
-        self._optimizer._opt_called = True
+        _compat.mark_optimizer_stepped(self._optimizer)
         with self._lock:
             current = _settings(self._optimizer)
             if not _same_settings(current, self._sent):

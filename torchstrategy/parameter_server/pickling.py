@@ -15,8 +15,10 @@ Anything else is pickled normally; what cannot be pickled is reported at schedul
 """
 import io
 import pickle
+import threading
 import types
 
+from torchstrategy import runtime
 
 
 def _is_main_object(obj):
@@ -45,24 +47,39 @@ class _Pickler(_ReferenceMixin, pickle.Pickler):
         return super().persistent_id(obj)
 
 
-_by_value_class = None
+class _ByValue:
+    """The cloudpickle-based pickler class, made on first use (cloudpickle is needed only
+    for functions of the main script); one per process, in ``runtime.current().state``."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pickler_class = None
+
+    def pickler_class(self):
+        with self._lock:
+            if self._pickler_class is None:
+                self._pickler_class = _make_by_value_pickler()
+            return self._pickler_class
+
+
+def _make_by_value_pickler():
+    import cloudpickle  # optional dependency: only functions of the main script need it
+
+    class ByValuePickler(_ReferenceMixin, cloudpickle.Pickler):
+        def persistent_id(self, inner):
+            if inner is self._top or _is_main_object(inner):
+                return None
+            return super().persistent_id(inner)
+
+    return ByValuePickler
 
 
 def _dumps_by_value(obj, resolve):
     """cloudpickle for one object of ``__main__`` (with its globals), keeping references."""
-    global _by_value_class
-    if _by_value_class is None:
-        import cloudpickle  # only needed for functions of the main script
-
-        class ByValuePickler(_ReferenceMixin, cloudpickle.Pickler):
-            def persistent_id(self, inner):
-                if inner is self._top or _is_main_object(inner):
-                    return None
-                return super().persistent_id(inner)
-
-        _by_value_class = ByValuePickler
+    pickler_class = runtime.current().state("parameter_server.pickling", _ByValue) \
+        .pickler_class()
     buffer = io.BytesIO()
-    pickler = _by_value_class(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler = pickler_class(buffer, protocol=pickle.HIGHEST_PROTOCOL)
     pickler._init_refs(resolve)
     pickler._top = obj
     pickler.dump(obj)

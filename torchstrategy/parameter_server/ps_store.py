@@ -9,45 +9,61 @@ import threading
 
 import torch
 
-_lock = threading.Lock()
-_variables = {}      # key -> tensor (an nn.Parameter when trainable)
-_optimizers = {}     # optimizer key -> torch optimizer over this server's variables
-_rows_served = {}    # key -> number of rows sent by read_rows (for checking lookups)
-_group_indices = {}  # optimizer key -> index in the user's optimizer of each local group
-_hyper_versions = {}  # optimizer key -> version of the group settings in use
+from torchstrategy import runtime
+
+
+class _Store:
+    """What this parameter-server process holds (``runtime.current().state``)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.variables = {}       # key -> tensor (an nn.Parameter when trainable)
+        self.optimizers = {}      # optimizer key -> torch optimizer over this server's variables
+        self.rows_served = {}     # key -> number of rows sent by read_rows (checking lookups)
+        self.group_indices = {}   # optimizer key -> index in the user's optimizer of each group
+        self.hyper_versions = {}  # optimizer key -> version of the group settings in use
+
+
+def _store():
+    return runtime.current().state("parameter_server.ps_store", _Store)
 
 
 def create(key, value, trainable):
     """Stores `value` under `key` (replacing any previous value)."""
+    st = _store()
     value = value.detach().clone()
-    with _lock:
-        _variables[key] = torch.nn.Parameter(value) if trainable else value
+    with st.lock:
+        st.variables[key] = torch.nn.Parameter(value) if trainable else value
     return True
 
 
 def read(keys):
     """The current values of `keys`, copied."""
-    with _lock:
+    st = _store()
+    with st.lock:
         return [_get(key).detach().clone() for key in keys]
 
 
 def read_rows(key, rows):
     """Rows `rows` (a LongTensor of local row indices) of variable `key`: only those rows
     are copied and sent."""
-    with _lock:
+    st = _store()
+    with st.lock:
         value = _get(key).detach()
-        _rows_served[key] = _rows_served.get(key, 0) + int(rows.numel())
+        st.rows_served[key] = st.rows_served.get(key, 0) + int(rows.numel())
         return value.index_select(0, rows)
 
 
 def rows_served(key):
     """How many rows `read_rows` has sent for `key` so far."""
-    with _lock:
-        return _rows_served.get(key, 0)
+    st = _store()
+    with st.lock:
+        return st.rows_served.get(key, 0)
 
 
 def assign(key, value):
-    with _lock:
+    st = _store()
+    with st.lock:
         target = _get(key)
         with torch.no_grad():
             target.copy_(value)
@@ -56,7 +72,8 @@ def assign(key, value):
 
 def assign_add(key, delta):
     """Adds `delta` atomically and returns the new value."""
-    with _lock:
+    st = _store()
+    with st.lock:
         target = _get(key)
         with torch.no_grad():
             target.add_(delta)
@@ -72,25 +89,27 @@ def create_optimizer(optimizer_key, optimizer_class, groups):
         optimizer, the keys of its variables held here, and its settings (lr, momentum,
         ...) without "params".
     """
-    with _lock:
-        if optimizer_key in _optimizers:
+    st = _store()
+    with st.lock:
+        if optimizer_key in st.optimizers:
             return True
         param_groups = [dict(hyper, params=[_get(k) for k in keys])
                         for _, keys, hyper in groups]
-        _optimizers[optimizer_key] = optimizer_class(param_groups)
-        _group_indices[optimizer_key] = [index for index, _, _ in groups]
-        _hyper_versions[optimizer_key] = 0
+        st.optimizers[optimizer_key] = optimizer_class(param_groups)
+        st.group_indices[optimizer_key] = [index for index, _, _ in groups]
+        st.hyper_versions[optimizer_key] = 0
         return True
 
 
 def _use_hyperparameters(optimizer_key, optimizer, version, hyperparameters):
+    st = _store()
     # Each push carries the settings in effect when its closure was scheduled (the chief
     # bumps `version` when they change); comparing one int keeps the usual push cheap.
-    if version == _hyper_versions[optimizer_key]:
+    if version == st.hyper_versions[optimizer_key]:
         return
-    for group, index in zip(optimizer.param_groups, _group_indices[optimizer_key]):
+    for group, index in zip(optimizer.param_groups, st.group_indices[optimizer_key]):
         group.update(hyperparameters[index])
-    _hyper_versions[optimizer_key] = version
+    st.hyper_versions[optimizer_key] = version
 
 
 def apply_gradients(optimizer_key, dense, sparse, version=0, hyperparameters=None):
@@ -106,8 +125,9 @@ def apply_gradients(optimizer_key, dense, sparse, version=0, hyperparameters=Non
         optimizer). The step uses them: a push from a closure scheduled after an
         ``lr_scheduler.step()`` on the chief applies the new learning rate.
     """
-    with _lock:
-        optimizer = _optimizers[optimizer_key]
+    st = _store()
+    with st.lock:
+        optimizer = st.optimizers[optimizer_key]
         if hyperparameters is not None:
             _use_hyperparameters(optimizer_key, optimizer, version, hyperparameters)
         touched = []
@@ -130,8 +150,9 @@ def apply_gradients(optimizer_key, dense, sparse, version=0, hyperparameters=Non
 def optimizer_state(optimizer_key, keys):
     """The optimizer's per-variable state (exp_avg, momentum_buffer, step, ...) of `keys`,
     copied: ``{key: {name: value}}``, leaving out variables with no state yet."""
-    with _lock:
-        state = _optimizers[optimizer_key].state
+    st = _store()
+    with st.lock:
+        state = st.optimizers[optimizer_key].state
         out = {}
         for key in keys:
             entry = state.get(_get(key))
@@ -145,8 +166,9 @@ def load_optimizer_state(optimizer_key, states):
     """Replaces the optimizer's whole state on this server by `states` (``{key: {name:
     value}}``); variables not in `states` start with no state, as after
     ``Optimizer.load_state_dict``."""
-    with _lock:
-        optimizer = _optimizers[optimizer_key]
+    st = _store()
+    with st.lock:
+        optimizer = st.optimizers[optimizer_key]
         optimizer.state.clear()
         for key, entry in states.items():
             optimizer.state[_get(key)] = {
@@ -156,13 +178,15 @@ def load_optimizer_state(optimizer_key, states):
 
 
 def keys():
-    with _lock:
-        return sorted(_variables)
+    st = _store()
+    with st.lock:
+        return sorted(st.variables)
 
 
 def _get(key):
+    st = _store()
     try:
-        return _variables[key]
+        return st.variables[key]
     except KeyError:
         raise KeyError(f"This parameter server holds no variable {key!r}; was the cluster "
                        f"restarted? Restore the variables from a checkpoint.") from None

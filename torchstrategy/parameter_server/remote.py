@@ -46,7 +46,7 @@ def call_async(ps_name, fn, args=(), timeout=None):
         future = rpc.rpc_async(ps_name, fn, args=args,
                                timeout=rpc.constants.UNSET_RPC_TIMEOUT if timeout is None
                                else timeout)
-    except Exception as error:  # the agent already knows the peer is gone
+    except RuntimeError as error:  # the agent already knows the peer is gone
         raise unavailable(ps_name, error) from None
     return ps_name, future
 
@@ -57,7 +57,7 @@ def wait(calls):
     for ps_name, future in calls:
         try:
             results.append(future.wait())
-        except Exception as error:
+        except Exception as error:  # the server's own error arrives as its own type
             if is_transport_error(error):
                 raise unavailable(ps_name, error) from None
             raise

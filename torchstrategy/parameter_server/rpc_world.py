@@ -20,6 +20,7 @@ network you control (the addresses in the spec), as with TensorFlow's servers.
 import datetime
 import fcntl
 import ipaddress
+import logging
 import os
 import socket
 import struct
@@ -29,6 +30,7 @@ import time
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
+from torchstrategy import _compat, runtime
 from torchstrategy.cluster_resolver.cluster_spec import parse_address
 
 JOBS = ("chief", "worker", "ps")
@@ -44,15 +46,12 @@ _RPC_PREFIX = "rpc_prefix_0"
 _ALL_WORKER_INFOS = "names/_ALL_WORKER_INFOS"
 _MEMBERSHIP_TOKEN = "RpcGroupManagementToken"
 
+logger = logging.getLogger("torchstrategy")
+
 
 def task_name(job, index):
     """The rpc name of a task: ``"worker:1"``."""
     return f"{job}:{index}"
-
-
-def parse_task_name(name):
-    job, _, index = name.partition(":")
-    return job, int(index)
 
 
 def store_task(spec):
@@ -95,8 +94,8 @@ def _interface_ipv4(name):
 def resolve_ipv4(host):
     try:
         return str(ipaddress.IPv4Address(host))
-    except ValueError:
-        pass
+    except ValueError:  # not a literal IPv4 address: a host name, resolved below
+        host = str(host)
     try:
         return socket.gethostbyname(host)
     except OSError as err:
@@ -159,15 +158,39 @@ def make_store(spec, is_host, timeout_seconds):
             time.sleep(0.5)
 
 
-_pending_store = {}
+class _RpcWorldState:
+    """This process's place in a parameter-server rpc world (``runtime.current().state``).
+
+    `members_changed` is notified whenever a member joins (the joining member tells the
+    store host, `member_joined`) or is dropped, so waits for members block on it.
+    """
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.membership = None
+        self.pending_store = None     # (store, rank) handed to the rendezvous handler
+        self.members_changed = threading.Condition()
+
+
+def _state():
+    return runtime.current().state("parameter_server.rpc_world", _RpcWorldState)
 
 
 def _rendezvous_handler(url, **kwargs):
-    store, rank = _pending_store.pop("value")
+    state = _state()
+    store, rank = state.pending_store
+    state.pending_store = None
     yield store, rank, None  # dynamic group: no world size
 
 
-dist.register_rendezvous_handler(_RENDEZVOUS_SCHEME, _rendezvous_handler)
+def _install_rendezvous_handler():
+    dist.register_rendezvous_handler(_RENDEZVOUS_SCHEME, _rendezvous_handler)
+
+
+def live_members():
+    """``{name: rank}`` of the members this process's rpc agent currently knows."""
+    agent = _compat.current_rpc_agent()
+    return {info.name: info.id for info in agent.get_worker_infos()}
 
 
 class Membership:
@@ -181,11 +204,36 @@ class Membership:
         self.store = store
         self.rpc_store = dist.PrefixStore(_RPC_PREFIX, store)
         self.rpc_timeout = rpc_timeout
+        self._leave_callbacks = []
+
+    def on_leave(self, callback):
+        """Calls `callback()` once this process has left the rpc world (`leave`)."""
+        self._leave_callbacks.append(callback)
+
+    def run_leave_callbacks(self):
+        """Called by `leave`; each callback runs once."""
+        callbacks, self._leave_callbacks = self._leave_callbacks, []
+        for callback in callbacks:
+            callback()
 
     def live_members(self):
         """``{name: rank}`` of the members the local rpc agent currently knows."""
-        agent = rpc.api._get_current_rpc_agent()
-        return {info.name: info.id for info in agent.get_worker_infos()}
+        return live_members()
+
+    def wait_for_members(self, names, timeout):
+        """Blocks until every name in `names` is a live member, or until `timeout` seconds
+        passed; returns the names still missing (empty when all joined)."""
+        condition = _state().members_changed
+        deadline = time.monotonic() + timeout
+        with condition:
+            while True:
+                missing = set(names) - set(self.live_members())
+                remaining = deadline - time.monotonic()
+                if not missing or remaining <= 0:
+                    return missing
+                # Woken by `member_joined`; the bound re-checks for a member whose notice
+                # was lost (it joined while this process was still starting its agent).
+                condition.wait(min(remaining, 1.0))
 
     def drop(self, name, rank):
         """Removes a dead member from the group: from the store (so that processes joining
@@ -196,13 +244,22 @@ class Membership:
         drop_local(name, rank)
 
 
+def member_joined(name):
+    """Rpc target on the store host: the member `name` has just joined the rpc world."""
+    condition = _state().members_changed
+    with condition:
+        condition.notify_all()
+    return True
+
+
 def drop_local(name, rank):
     """Forgets a dead member in this process's rpc agent (a no-op if already forgotten)."""
-    agent = rpc.api._get_current_rpc_agent()
-    known = {info.name: info.id for info in agent.get_worker_infos()}
-    if known.get(name) != rank:
+    if live_members().get(name) != rank:
         return False
-    agent._update_group_membership(rpc.WorkerInfo(name, rank), [], {}, False)
+    _compat.rpc_forget_member(_compat.current_rpc_agent(), name, rank)
+    condition = _state().members_changed
+    with condition:
+        condition.notify_all()
     return True
 
 
@@ -220,9 +277,12 @@ def _with_membership_token(store, label, fn):
         if time.monotonic() > deadline:
             raise TimeoutError(f"Could not take the rpc membership token (held by {returned}).")
         try:
+            # Blocks until the holder marks its token done.
             store.wait([returned], datetime.timedelta(seconds=5))
-        except Exception:  # the holder died holding it: wait and retry
-            time.sleep(0.2)
+        except (RuntimeError, dist.DistStoreError):
+            # Not done within 5 s (the holder may have died holding it): try again, bounded
+            # by the deadline above.
+            continue
 
 
 def _remove_name(store, name, rank):
@@ -234,13 +294,9 @@ def _remove_name(store, name, rank):
         store.set(_ALL_WORKER_INFOS, infos.replace(entry, ""))
 
 
-_lock = threading.Lock()
-_membership = None
-
-
 def current():
     """This process's `Membership`, or None when it is not in a cluster."""
-    return _membership
+    return _state().membership
 
 
 def join(spec, job, index, rpc_timeout=DEFAULT_RPC_TIMEOUT_SECONDS,
@@ -248,36 +304,49 @@ def join(spec, job, index, rpc_timeout=DEFAULT_RPC_TIMEOUT_SECONDS,
     """Joins the cluster's rpc world as task ``job:index`` and returns its `Membership`.
 
     Idempotent for the same task in one process. The task's own spec address selects the
-    interface to listen on; the store task hosts the rendezvous on its spec address.
+    interface to listen on; the store task hosts the rendezvous on its spec address. A
+    member that is not the store host tells the host it joined (`member_joined`).
 
     Raises:
       ValueError: bad spec or task, or an address this machine does not have.
       RuntimeError: when this process is already another task of a cluster.
       TimeoutError: when the rendezvous does not answer within `startup_timeout`.
     """
-    global _membership
-    with _lock:
-        if _membership is not None:
-            if (_membership.spec, _membership.job, _membership.index) == (spec, job, index):
-                return _membership
-            raise RuntimeError(f"This process is already {_membership.name} of cluster "
-                               f"{_membership.spec!r}; a process can be one task of one "
-                               f"cluster at a time.")
+    state = _state()
+    with state.lock:
+        current_membership = state.membership
+        if current_membership is not None:
+            if (current_membership.spec, current_membership.job,
+                    current_membership.index) == (spec, job, index):
+                return current_membership
+            raise RuntimeError(f"This process is already {current_membership.name} of "
+                               f"cluster {current_membership.spec!r}; a process can be one "
+                               f"task of one cluster at a time.")
         check_cluster(spec)
+        runtime.current().install_once("parameter_server.rendezvous",
+                                       _install_rendezvous_handler)
         host, _ = parse_address(spec.task_address(job, index))
         os.environ["TP_SOCKET_IFNAME"] = interface_for(host)
-        is_host = (job, index) == store_task(spec)
+        host_task = store_task(spec)
+        is_host = (job, index) == host_task
         store = make_store(spec, is_host, startup_timeout)
         rank = 0 if is_host else store.add(_NEXT_RANK_KEY, 1)
-        options = rpc.TensorPipeRpcBackendOptions(
-            init_method=f"{_RENDEZVOUS_SCHEME}://", rpc_timeout=rpc_timeout,
-            num_worker_threads=16, _transports=["uv"], _channels=["basic"])
-        _pending_store["value"] = (store, rank)
-        rpc._init_counter = 0
+        options = _compat.tensorpipe_tcp_options(f"{_RENDEZVOUS_SCHEME}://", rpc_timeout,
+                                                 num_worker_threads=16)
+        state.pending_store = (store, rank)
+        _compat.reset_rpc_init_counter()
         rpc.init_rpc(task_name(job, index), rank=rank, world_size=None,
                      rpc_backend_options=options)
-        _membership = Membership(spec, job, index, store, rpc_timeout)
-        return _membership
+        state.membership = Membership(spec, job, index, store, rpc_timeout)
+    if not is_host:
+        try:
+            rpc.rpc_sync(task_name(*host_task), member_joined, args=(task_name(job, index),),
+                         timeout=rpc_timeout)
+        except RuntimeError as error:
+            # The host learns of us anyway (its waits re-check the group); it may just be
+            # gone, which the server's chief check reports.
+            logger.debug(f"could not tell {task_name(*host_task)} that we joined: {error}")
+    return state.membership
 
 
 def leave():
@@ -285,21 +354,24 @@ def leave():
 
     Bounded: if TensorPipe does not finish shutting down within a few seconds the agent is
     abandoned (the process is about to end or to start no other cluster)."""
-    global _membership
-    with _lock:
-        if _membership is None:
+    state = _state()
+    with state.lock:
+        membership = state.membership
+        if membership is None:
             return
         done = threading.Event()
 
         def shutdown():
             try:
                 rpc.shutdown(graceful=False)
-            except Exception:
-                pass
-            done.set()
+            except RuntimeError as error:
+                # Peers already gone: the agent is torn down all the same.
+                logger.debug(f"rpc shutdown: {error}")
+            finally:
+                done.set()
 
         threading.Thread(target=shutdown, name="torchstrategy-rpc-shutdown",
                          daemon=True).start()
         done.wait(10.0)
-        _membership = None
-
+        state.membership = None
+    membership.run_leave_callbacks()

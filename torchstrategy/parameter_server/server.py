@@ -13,24 +13,43 @@ or from Python: ``ts.Server(resolver).join()``.
 A server ends when the chief asks it to (when the chief's program ends), or when it loses
 the chief (the chief died: restart the cluster, and the chief restores from its checkpoint).
 """
+import argparse
+import json
+import logging
 import os
 import threading
 import time
 
+import torch
 import torch.distributed.rpc as rpc
 
+from torchstrategy import runtime
+from torchstrategy.cluster_resolver import SimpleClusterResolver, TFConfigClusterResolver
 from torchstrategy.parameter_server import rpc_world
+
+logger = logging.getLogger("torchstrategy")
 
 # How often a server checks that the chief is still there, and how many missed checks end it.
 _CHIEF_CHECK_SECONDS = 2.0
 _CHIEF_MISSES = 3
+# How long the chief waits for each server to acknowledge the request to stop.
+_STOP_REQUEST_TIMEOUT_SECONDS = 5
 
-_stop = threading.Event()
+
+class _ServerState:
+    """Whether the chief asked this server process to stop (``runtime.current().state``)."""
+
+    def __init__(self):
+        self.stop_requested = threading.Event()
 
 
-def _request_stop():
+def _state():
+    return runtime.current().state("parameter_server.server", _ServerState)
+
+
+def request_stop():
     """Rpc target: the chief asks this server to end."""
-    _stop.set()
+    _state().stop_requested.set()
     return True
 
 
@@ -39,7 +58,7 @@ def ping():
     return os.getpid()
 
 
-def _forget_member(name, rank):
+def forget_member(name, rank):
     """Rpc target: the coordinator tells this member that `name` (rank) died."""
     return rpc_world.drop_local(name, rank)
 
@@ -96,27 +115,48 @@ class Server:
         self.start()
         host_job, host_index = rpc_world.store_task(self._spec)
         host = rpc_world.task_name(host_job, host_index)
+        stop_requested = _state().stop_requested
         misses = 0
-        while not _stop.wait(_CHIEF_CHECK_SECONDS):
+        while not stop_requested.wait(_CHIEF_CHECK_SECONDS):
             try:
                 rpc.rpc_sync(host, ping, timeout=_CHIEF_CHECK_SECONDS * 2)
                 misses = 0
-            except Exception:
+            except RuntimeError:  # rpc's error for a lost or silent peer (and timeouts)
                 misses += 1
                 if misses >= _CHIEF_MISSES:
                     break
-        stopped = _stop.is_set()
+        stopped = stop_requested.is_set()
         time.sleep(0.3)  # let the answer to the stop request go out first
         rpc_world.leave()
         return stopped
 
 
+def shutdown_cluster(membership=None, stop_servers=True):
+    """Ends this chief's part in the cluster: asks every server to stop (when
+    `stop_servers`), then leaves the rpc world. Bounded: dead servers cannot hang it."""
+    membership = membership or rpc_world.current()
+    if membership is None or rpc_world.current() is not membership:
+        return
+    if stop_servers:
+        futures = []
+        for name in membership.live_members():
+            if name != membership.name:
+                try:
+                    futures.append((name, rpc.rpc_async(name, request_stop,
+                                                        timeout=_STOP_REQUEST_TIMEOUT_SECONDS)))
+                except RuntimeError as error:
+                    # The agent already knows the server is gone: nothing to stop.
+                    logger.debug(f"not stopping {name}: {error}")
+        for name, future in futures:
+            try:
+                future.wait()
+            except RuntimeError as error:
+                # Gone or silent: it ends by itself when it loses the chief.
+                logger.debug(f"{name} did not acknowledge the stop request: {error}")
+    rpc_world.leave()
+
+
 def main(argv=None):
-    import argparse
-    import json
-
-    from torchstrategy.cluster_resolver import SimpleClusterResolver, TFConfigClusterResolver
-
     parser = argparse.ArgumentParser(
         prog="python -m torchstrategy.server",
         description="Run one worker or ps task of a parameter-server cluster. Without flags "
@@ -136,8 +176,6 @@ def main(argv=None):
     else:
         resolver = TFConfigClusterResolver(task_type=args.task_type, task_id=args.task_id)
     if os.environ.get("OMP_NUM_THREADS") is None:
-        import torch
-
         torch.set_num_threads(1)  # a server's work is small ops; leave cores to the others
     stopped = Server(resolver, rpc_timeout=args.rpc_timeout,
                      startup_timeout=args.startup_timeout).join()

@@ -16,115 +16,210 @@ into any number of shards or into a model and optimizer without a strategy.
 Training runs on workers through a `ClusterCoordinator`: see `coordinator` and
 docs/parameter_server.md.
 """
-import atexit
 import itertools
 import threading
-import time
 
 import torch
-from torch.nn.modules import module as nn_module
 
-from torchstrategy import context
+from torchstrategy import context, nest, runtime, values
+from torchstrategy.aggregation import VariableAggregation, VariableSynchronization, as_enum
+from torchstrategy.collectives.communicator import Communicator
+from torchstrategy.collectives.cross_device_ops import NcclAllReduce
+from torchstrategy.input.contexts import ValueContext
+from torchstrategy.input.distributed_dataset import (DistributedDataset,
+                                                     DistributedDatasetsFromFunction)
 from torchstrategy.parameter_server import (optimizers, partitioners, ps_store, remote,
                                             rpc_world, server)
 from torchstrategy.parameter_server.variables import PSVariable, ShardedVariable
-from torchstrategy.strategies.base import Strategy
-from torchstrategy.variables import VariableAggregation, VariableSynchronization, _as_enum
+from torchstrategy.reduce_op import ReduceOp, as_reduce_op
+from torchstrategy.replica_context import ReplicaContext
+from torchstrategy.strategies.base import Strategy, StrategyExtended
+from torchstrategy.strategies.spmd import destination_device
 
-_strategy_ids = itertools.count()
-
-
-class _NoMirroring:
-    """The base scope's mirroring hooks record nothing under this strategy (placement on
-    parameter servers is done by this module's own registration hook)."""
-
-    _param_ids = ()
-
-    def add_parameter(self, param):
-        pass
-
-    def add_buffer(self, module, name):
-        pass
-
-    def add_tensor(self, tensor, trainable):
-        pass
-
-    def take_pending(self):
-        return []
+_CPU = torch.device("cpu")
 
 
-class _NoBarrier:
-    def barrier(self):
-        pass
+def _next_strategy_id():
+    """A number unique among this process's strategies (keys on the servers start with it)."""
+    return next(runtime.current().state("parameter_server.strategy_ids", itertools.count))
 
 
-class ParameterServerStrategyExtended:
-    """The parts of `ParameterServerStrategy` most programs do not need."""
+class ParameterServerStrategyExtended(StrategyExtended):
+    """The parts of `ParameterServerStrategy` most programs do not need.
 
-    def __init__(self, strategy, membership, variable_partitioner):
-        self._container = strategy
+    The user's program runs on the chief, a world of one replica: collectives among the
+    chief's replicas (``reduce``, ``gather``, ``ReplicaContext.all_reduce``) go through a
+    `Communicator` of one process. Parameters registered on modules inside the scope
+    (`record_parameter`) are placed on the parameter servers when the scope exits
+    (`synchronize_mirrored_state`); ``ts.Variable`` made in the scope is placed at once
+    (`create_variable`). Buffers stay on the chief's modules and travel with them.
+
+    Args:
+      container: the `ParameterServerStrategy`.
+      membership: the chief's `rpc_world.Membership`.
+      variable_partitioner: None or a partitioner (see `partitioners`).
+    """
+
+    def __init__(self, container, membership, variable_partitioner):
+        super().__init__(container)
         self._membership = membership
         self._partitioner = variable_partitioner
-        self._scope_depth = threading.local()
-        self._mirrored = _NoMirroring()
-        self.torch_device = None
-        self.replica_id = 0
-        self.num_replicas_in_sync = 1
-        self.communicator = _NoBarrier()
-        self._prefix = f"s{next(_strategy_ids)}"
+        self._comm = Communicator(None, 0, 1, _CPU, NcclAllReduce())
+        self._prefix = f"s{_next_strategy_id()}"
         self._counter = itertools.count()
         self._lock = threading.Lock()
-        self._captured = []       # (module, name, param) registered in scope, not placed yet
+        self._recorded = []       # (module, name, param) registered in scope, not placed yet
         self._layouts = {}        # id(param tensor) -> Layout
         self._kept = []           # placed tensors, kept alive so their ids stay theirs
         self._hooked_modules = set()
         self._optimizers = {}     # id(optimizer) -> optimizers.RemoteOptimizer
+        self._coordinator = None
         spec = membership.spec
-        self.parameter_devices = tuple(rpc_world.task_name("ps", i)
-                                       for i in spec.task_indices("ps"))
-        self.worker_devices = tuple(rpc_world.task_name("worker", i)
-                                    for i in spec.task_indices("worker"))
+        self._parameter_devices = tuple(rpc_world.task_name("ps", i)
+                                        for i in spec.task_indices("ps"))
+        self._worker_devices = tuple(rpc_world.task_name("worker", i)
+                                     for i in spec.task_indices("worker"))
         self._next_ps = 0
 
-    # -- what the base Strategy needs --------------------------------------------------------
-    def _placement(self):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    def _device_guard(self):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    def _default_replica_context(self):
-        from torchstrategy.replica_context import ReplicaContext
-
-        return ReplicaContext(self._container, 0, torch.device("cpu"))
-
-    def _after_step(self):
-        pass
-
-    def _wrap(self, structure, kind=None):
-        return structure
+    # -- facts ---------------------------------------------------------------------------
+    @property
+    def replica_id(self):
+        return 0
 
     @property
-    def should_checkpoint(self):
-        return True
+    def num_replicas_in_sync(self):
+        return 1
 
-    should_save_summary = should_checkpoint
+    @property
+    def worker_devices(self):
+        """The rpc names of the workers ("worker:0", ...)."""
+        return self._worker_devices
 
-    # -- placement ---------------------------------------------------------------------------
-    def _capture(self, module, name, param):
+    @property
+    def parameter_devices(self):
+        """The rpc names of the parameter servers ("ps:0", ...)."""
+        return self._parameter_devices
+
+    @property
+    def torch_device(self):
+        return None
+
+    @property
+    def communicator(self):
+        return self._comm
+
+    @property
+    def membership(self):
+        """The chief's `rpc_world.Membership` (the cluster it joined)."""
+        return self._membership
+
+    @property
+    def variable_partitioner(self):
+        return self._partitioner
+
+    @property
+    def key_prefix(self):
+        """The prefix of every key this strategy uses on the servers and workers."""
+        return self._prefix
+
+    @property
+    def coordinator(self):
+        """The strategy's `ClusterCoordinator`, or None before one was made."""
+        return self._coordinator
+
+    def attach_coordinator(self, coordinator):
+        """Records the strategy's one `ClusterCoordinator`; returns the one recorded first."""
         with self._lock:
-            self._captured.append((module, name, param))
+            if self._coordinator is None:
+                self._coordinator = coordinator
+            return self._coordinator
 
-    def _sync_mirrored_state(self):
-        """At scope exit: places the parameters registered in the scope on the servers."""
+    # -- running ---------------------------------------------------------------------------
+    def default_replica_context(self):
+        return ReplicaContext(self._container, 0, _CPU)
+
+    def call_for_each_replica(self, fn, args, kwargs):
+        """The chief's one replica (inside a scheduled function: the worker's one replica)."""
+        self.synchronize_mirrored_state()
+        replica = ReplicaContext(self._container, 0, _CPU)
+        with context.enter(self._container, replica):
+            return fn(*args, **kwargs)
+
+    def wrap(self, structure, kind=None):
+        """`structure` as ``run`` returns it: with one replica, the plain value."""
+        return structure
+
+    # -- cross-replica reductions ------------------------------------------------------
+    def reduce_across_replicas(self, reduce_op, value, axis):
+        """With one replica per step, reducing across replicas returns `value` itself (any
+        structure, tensors or not); with `axis`, each tensor is reduced along it."""
+        op = as_reduce_op(reduce_op)
+        if axis is None:
+            return value
+
+        def along_axis(leaf):
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(f"strategy.reduce(..., axis={axis}) needs tensors, got a "
+                                f"{type(leaf).__name__}.")
+            return leaf.sum(axis) if op is ReduceOp.SUM else leaf.mean(axis)
+
+        return nest.map_structure(along_axis, value)
+
+    def gather_across_replicas(self, value, axis):
+        return self.replica_all_gather(value, axis)
+
+    def local_results(self, value):
+        if isinstance(value, values.DistributedValues):
+            return value.values
+        return (value,)
+
+    def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
+        """One replica: each value reduced with itself (copied), placed on its destination;
+        `options` (a `CommunicationOptions`) are checked as every strategy checks them."""
+        op = as_reduce_op(reduce_op)
+        results = []
+        for value, destinations in value_destination_pairs:
+            tensors, spec = nest.tensor_leaves(value, "batch_reduce_to")
+            reduced = self._comm.all_reduce(tensors, op, options=options)
+            device = destination_device(destinations)
+            results.append(nest.pack(spec, [t if device is None else t.to(device)
+                                            for t in reduced]))
+        return results
+
+    # -- collectives in replica context -------------------------------------------------
+    def replica_all_reduce(self, reduce_op, value, options=None):
+        tensors, spec = nest.tensor_leaves(value, "all_reduce")
+        return nest.pack(spec, self._comm.all_reduce(tensors, as_reduce_op(reduce_op),
+                                                     options=options))
+
+    def replica_all_gather(self, value, axis, options=None):
+        tensors, spec = nest.tensor_leaves(value, "all_gather")
+        return nest.pack(spec, self._comm.all_gather(tensors, axis, options=options))
+
+    # -- the scope: placement on the parameter servers ----------------------------------
+    def record_parameter(self, module, name, param):
+        """Remembers a parameter registered in the scope; it is placed on a parameter server
+        when the scope exits."""
         with self._lock:
-            captured, self._captured = self._captured, []
+            self._recorded.append((module, name, param))
+
+    def record_buffer(self, module, name):
+        """Buffers are not placed: they stay in the chief's module, and a scheduled function
+        gets them with the module (each worker updates its own copy, as in TensorFlow, where
+        non-variable state is per worker)."""
+
+    def record_variable(self, variable):
+        """``ts.Variable`` in this scope is made by `create_variable` (placed at once), and
+        `check_variable` refuses every other kind, so nothing is left to record."""
+        self.check_variable(variable)
+
+    def synchronize_mirrored_state(self):
+        """Places the parameters registered in the scope on the parameter servers (at scope
+        exit, and before ``run``)."""
+        with self._lock:
+            recorded, self._recorded = self._recorded, []
         creations = []
-        for module, name, param in captured:
+        for module, name, param in recorded:
             if id(param) in self._layouts:
                 continue
             embedding = isinstance(module, torch.nn.Embedding) and name == "weight"
@@ -140,7 +235,7 @@ class ParameterServerStrategyExtended:
         shape, dtype = tuple(value.shape), value.dtype
         shards = partitioners.num_shards_for(self._partitioner, shape, dtype)
         key = f"{self._prefix}/{next(self._counter)}/{name}"
-        servers = self.parameter_devices
+        servers = self._parameter_devices
         with self._lock:
             first = self._next_ps
             self._next_ps = (self._next_ps + shards) % len(servers)
@@ -169,15 +264,15 @@ class ParameterServerStrategyExtended:
         module.register_load_state_dict_post_hook(_ChiefHook(self._push_module))
 
     def _own_placed(self, module):
-        return [(p, self._layouts[id(p)]) for p in module._parameters.values()
-                if p is not None and id(p) in self._layouts]
+        return [(p, self._layouts[id(p)]) for _, p in module.named_parameters(recurse=False)
+                if id(p) in self._layouts]
 
     def _pull_module(self, module, prefix, keep_vars):
         placed = self._own_placed(module)
         if placed:
-            values = remote.read_full([layout for _, layout in placed])
+            values_ = remote.read_full([layout for _, layout in placed])
             with torch.no_grad():
-                for (param, _), value in zip(placed, values):
+                for (param, _), value in zip(placed, values_):
                     param.copy_(value)
 
     def _pull_before_forward(self, module, args):
@@ -191,17 +286,18 @@ class ParameterServerStrategyExtended:
         """Where a parameter created in the scope lives (a `remote.Layout`), or None."""
         return self._layouts.get(id(tensor))
 
-    def read_parameters(self, module):
-        """Copies the current parameter-server values into `module`'s local parameters."""
-        for sub in module.modules():
-            self._pull_module(sub, "", False)
-
     # -- variables ---------------------------------------------------------------------------
-    def _create_variable(self, initial_value, trainable=None, name=None, dtype=None,
-                         aggregation=VariableAggregation.NONE,
-                         synchronization=VariableSynchronization.AUTO):
-        aggregation = _as_enum(VariableAggregation, aggregation, "aggregation")
-        synchronization = _as_enum(VariableSynchronization, synchronization, "synchronization")
+    def create_variable(self, initial_value, trainable=None, name=None, dtype=None,
+                        aggregation=VariableAggregation.NONE,
+                        synchronization=VariableSynchronization.AUTO):
+        """``ts.Variable(...)`` in this strategy: a `PSVariable` (or `ShardedVariable`, as the
+        partitioner says) held by the parameter servers.
+
+        Raises:
+          ValueError: ``synchronization=ON_READ`` (one copy per variable, on a server).
+        """
+        aggregation = as_enum(VariableAggregation, aggregation, "aggregation")
+        synchronization = as_enum(VariableSynchronization, synchronization, "synchronization")
         if synchronization is VariableSynchronization.ON_READ:
             raise ValueError("ParameterServerStrategy holds one copy of each variable on a "
                              "parameter server; synchronization=ON_READ is not supported.")
@@ -216,25 +312,48 @@ class ParameterServerStrategyExtended:
         cls = ShardedVariable if layout.sharded else PSVariable
         return cls._from_layout(layout, name, aggregation, synchronization)
 
-    # -- pickling closures ---------------------------------------------------------------------
-    def _reference(self, obj):
+    def check_variable(self, variable):
+        if not isinstance(variable, PSVariable):
+            raise TypeError(f"ParameterServerStrategy holds variables on parameter servers; "
+                            f"a {type(variable).__name__} cannot be made in its scope. Use "
+                            f"ts.Variable(...), which makes a PSVariable.")
+
+    def write_variable(self, variable, new_value):
+        self.check_variable(variable)
+        remote.write_full(variable.layout, new_value)
+
+    # -- input -------------------------------------------------------------------------
+    def distribute_dataset(self, dataset, options):
+        """On the chief (one replica) each global batch comes whole; to feed the workers
+        use `ClusterCoordinator.create_per_worker_dataset`."""
+        return DistributedDataset(self._container, dataset, options)
+
+    def distribute_datasets_from_function(self, dataset_fn, options):
+        return DistributedDatasetsFromFunction(self._container, dataset_fn, options)
+
+    def distribute_values_from_function(self, value_fn):
+        return value_fn(ValueContext(0, 1))
+
+    # -- references for scheduled functions ---------------------------------------------
+    def reference(self, obj):
+        """What a scheduled function carries instead of `obj` when `obj` lives on the
+        parameter servers: ``("param", layout)`` for a parameter made in the scope, the
+        optimizer reference for an optimizer over such parameters (its copies on the
+        servers are built on first use); None for anything else (pickled as it is).
+
+        Raises:
+          ValueError: an optimizer over a parameter that was not made in the scope.
+        """
         if isinstance(obj, torch.Tensor):
             layout = self._layouts.get(id(obj))
             return None if layout is None else ("param", layout)
         if isinstance(obj, torch.optim.Optimizer):
-            return self._optimizer_reference(obj)
-        from torchstrategy.parameter_server.coordinator import PerWorkerValues
-
-        if isinstance(obj, PerWorkerValues):
-            return ("per_worker", obj._key)
+            with self._lock:
+                known = self._optimizers.get(id(obj))
+            if known is None:
+                known = self._register_optimizer(obj)
+            return known.reference()
         return None
-
-    def _optimizer_reference(self, optimizer):
-        with self._lock:
-            known = self._optimizers.get(id(optimizer))
-        if known is None:
-            known = self._register_optimizer(optimizer)
-        return known.reference()
 
     def _register_optimizer(self, optimizer):
         """On an optimizer's first schedule: builds its copies on the parameter servers
@@ -334,11 +453,10 @@ class ParameterServerStrategy(Strategy):
         membership = rpc_world.join(spec, "chief", cluster_resolver.task_id or 0,
                                     rpc_timeout, startup_timeout)
         _wait_for_cluster(membership, startup_timeout)
-        _register_exit(membership)
-        _install_capture()
+        runtime.current().on_shutdown(f"parameter_server.cluster.{id(membership)}",
+                                      lambda: server.shutdown_cluster(membership))
         super().__init__(ParameterServerStrategyExtended(self, membership,
                                                          variable_partitioner))
-        self._coordinator = None
 
     @property
     def cluster_resolver(self):
@@ -346,23 +464,7 @@ class ParameterServerStrategy(Strategy):
 
     @property
     def variable_partitioner(self):
-        return self._extended._partitioner
-
-    def run(self, fn, args=(), kwargs=None, options=None):
-        """Calls ``fn(*args, **kwargs)`` (inside a scheduled function, this is the
-        worker's one replica); schedule functions onto workers with
-        `ClusterCoordinator.schedule`."""
-        return fn(*args, **(kwargs or {}))
-
-    def reduce(self, reduce_op, value, axis=None):
-        """With one replica per worker step, reducing across replicas returns `value`
-        (reduced along `axis` when given)."""
-        from torchstrategy.reduce_op import ReduceOp, as_reduce_op
-
-        if axis is None:
-            return value
-        op = as_reduce_op(reduce_op)
-        return value.sum(axis) if op is ReduceOp.SUM else value.mean(axis)
+        return self._extended.variable_partitioner
 
     def __repr__(self):
         ext = self._extended
@@ -374,64 +476,8 @@ def _wait_for_cluster(membership, timeout):
     spec = membership.spec
     expected = {rpc_world.task_name(job, i) for job in ("worker", "ps")
                 for i in spec.task_indices(job)}
-    deadline = time.monotonic() + timeout
-    while True:
-        missing = expected - set(membership.live_members())
-        if not missing:
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"These tasks did not join the cluster within {timeout:.0f} s: "
-                               f"{sorted(missing)}. Start each with `python -m "
-                               f"torchstrategy.server` (TF_CONFIG set for its task).")
-        time.sleep(0.05)
-
-
-_exit_registered = set()
-
-
-def _register_exit(membership):
-    if id(membership) in _exit_registered:
-        return
-    _exit_registered.add(id(membership))
-    atexit.register(shutdown_cluster, membership)
-
-
-def shutdown_cluster(membership=None, stop_servers=True):
-    """Ends this chief's part in the cluster: asks every server to stop (when
-    `stop_servers`), then leaves the rpc world. Bounded: dead servers cannot hang it."""
-    membership = membership or rpc_world.current()
-    if membership is None or rpc_world.current() is not membership:
-        return
-    if stop_servers:
-        futures = []
-        for name in membership.live_members():
-            if name != membership.name:
-                try:
-                    futures.append(torch.distributed.rpc.rpc_async(
-                        name, server._request_stop, timeout=5))
-                except Exception:
-                    pass
-        for future in futures:
-            try:
-                future.wait()
-            except Exception:
-                pass
-    rpc_world.leave()
-
-
-_capture_installed = False
-
-
-def _on_parameter(module, name, param):
-    strategy = context.active_non_default_strategy()
-    if isinstance(strategy, ParameterServerStrategy) and context.get_strategy() is strategy \
-            and param is not None:
-        strategy.extended._capture(module, name, param)
-    return None
-
-
-def _install_capture():
-    global _capture_installed
-    if not _capture_installed:
-        nn_module.register_module_parameter_registration_hook(_on_parameter)
-        _capture_installed = True
+    missing = membership.wait_for_members(expected, timeout)
+    if missing:
+        raise TimeoutError(f"These tasks did not join the cluster within {timeout:.0f} s: "
+                           f"{sorted(missing)}. Start each with `python -m "
+                           f"torchstrategy.server` (TF_CONFIG set for its task).")

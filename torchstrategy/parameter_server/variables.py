@@ -37,6 +37,11 @@ class PSVariable(Variable):
         return (type(self)._from_layout,
                 (self._layout, self._name, self._aggregation, self._synchronization))
 
+    @property
+    def layout(self):
+        """Where the variable lives: a `remote.Layout` (its shards and their servers)."""
+        return self._layout
+
     # -- reading ---------------------------------------------------------------------------
     @property
     def tensor(self):
@@ -140,5 +145,5 @@ def embedding_lookup(params, ids):
         raise TypeError(f"embedding_lookup takes a variable made in a ParameterServerStrategy's "
                         f"scope, got {type(params).__name__}.")
     ids = torch.as_tensor(ids)
-    unique, rows, inverse = remote.read_rows(params._layout, ids)
-    return rows[inverse].reshape(tuple(ids.shape) + tuple(params._layout.shape[1:]))
+    unique, rows, inverse = remote.read_rows(params.layout, ids)
+    return rows[inverse].reshape(tuple(ids.shape) + tuple(params.layout.shape[1:]))

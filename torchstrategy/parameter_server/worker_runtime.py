@@ -9,33 +9,68 @@ only the rows it looks up and whose backward records gradients for those rows on
 gradients (`WorkerOptimizer`) with the optimizer's settings as they were when the function
 was scheduled; the parameter servers apply them with the real optimizer.
 
-The result goes back as ``("ok", value)`` or ``("error", kind, exception, traceback)``, so
-the coordinator can tell a failing function from a failing worker.
+The result goes back as a `ClosureResult` (the value, or the error with its kind and
+traceback), so the coordinator can tell a failing function from a failing worker.
 """
+import dataclasses
+import pickle
 import threading
 import traceback
+from typing import Any, Optional
 
 import torch
 
-from torchstrategy import nest
+from torchstrategy import nest, runtime
+from torchstrategy.input.contexts import InputContext
 from torchstrategy.parameter_server import pickling, ps_store, remote
 
-_lock = threading.Lock()
-_local_params = {}      # variable key -> worker-local tensor
-_layouts = {}           # variable key -> Layout
-_per_worker = {}        # per-worker value key -> this worker's value
+
+@dataclasses.dataclass
+class ClosureResult:
+    """What running one scheduled function on a worker gave.
+
+    Attributes:
+      value: the function's return value (tensors detached, on the CPU) when it succeeded.
+      error: the exception it raised (None on success).
+      error_kind: "ps" when a parameter server could not be reached, "user" otherwise.
+      trace: the worker-side traceback text of `error`.
+    """
+
+    value: Any = None
+    error: Optional[BaseException] = None
+    error_kind: Optional[str] = None
+    trace: str = ""
+
+    @property
+    def ok(self):
+        return self.error is None
 
 
-class _ClosureState(threading.local):
+class _UsedLayouts(threading.local):
+    """The layouts the closure running on this thread reads (filled while unpickling)."""
+
     used = None
 
 
-_state = _ClosureState()
+class _WorkerState:
+    """What this worker process keeps between closures (``runtime.current().state``)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.local_params = {}      # variable key -> worker-local tensor
+        self.layouts = {}           # variable key -> Layout
+        self.per_worker = {}        # per-worker value key -> this worker's value
+        self.closure = _UsedLayouts()
+
+
+def _state():
+    return runtime.current().state("parameter_server.worker_runtime", _WorkerState)
 
 
 def _local_param(layout):
-    with _lock:
-        param = _local_params.get(layout.key)
+    st = _state()
+    with st.lock:
+        param = st.local_params.get(layout.key)
         if param is None:
             # An embedding table is never filled here (rows are fetched on demand): empty
             # memory is not touched, so a large table costs no resident memory.
@@ -43,8 +78,8 @@ def _local_param(layout):
                 else torch.zeros(layout.shape, dtype=layout.dtype)
             if layout.trainable:
                 param = torch.nn.Parameter(param)
-            _local_params[layout.key] = param
-            _layouts[layout.key] = layout
+            st.local_params[layout.key] = param
+            st.layouts[layout.key] = layout
     return param
 
 
@@ -66,8 +101,9 @@ class WorkerOptimizer:
         self._layouts = [l for layouts in groups for l in layouts]
 
     def zero_grad(self, set_to_none=True):
+        local_params = _state().local_params
         for layout in self._layouts:
-            param = _local_params[layout.key]
+            param = local_params[layout.key]
             param._ts_sparse_grads = []
             if param.grad is not None:
                 if set_to_none:
@@ -81,8 +117,9 @@ class WorkerOptimizer:
             with torch.enable_grad():
                 loss = closure()
         dense, sparse = {}, {}   # per ps: {key: grad}, {key: (rows, grads)}
+        local_params = _state().local_params
         for layout in self._layouts:
-            param = _local_params[layout.key]
+            param = local_params[layout.key]
             if param.grad is not None:
                 for shard, part in zip(layout.shards, remote.split_rows(layout, param.grad)):
                     dense.setdefault(shard.ps, {})[shard.key] = part.detach().contiguous()
@@ -138,7 +175,7 @@ class WorkerEmbedding(torch.nn.Embedding):
 
     def forward(self, input):
         key = getattr(self.weight, "_ts_key", None)
-        layout = _layouts.get(key)
+        layout = _state().layouts.get(key)
         if layout is None or not layout.embedding:
             return super().forward(input)
         if self.max_norm is not None:
@@ -158,23 +195,24 @@ _CLASS_MAP = {("torch.nn.modules.sparse", "Embedding"): WorkerEmbedding}
 
 def _load_reference(ref):
     kind = ref[0]
+    st = _state()
+    used = st.closure.used
     if kind == "param":
         layout = ref[1]
         param = _local_param(layout)
         param._ts_key = layout.key
-        _state.used[layout.key] = layout
+        used[layout.key] = layout
         return param
     if kind == "optimizer":
         _, key, groups, version, hyperparameters = ref
         for layouts in groups:
             for layout in layouts:
-                _state.used[layout.key] = layout
-        optimizer = WorkerOptimizer(key, groups, version, hyperparameters)
-        return optimizer
+                used[layout.key] = layout
+        return WorkerOptimizer(key, groups, version, hyperparameters)
     if kind == "per_worker":
         key = ref[1]
         try:
-            return _per_worker[key]
+            return st.per_worker[key]
         except KeyError:
             raise RuntimeError(f"This worker has no per-worker value {key!r} (it was "
                                f"restarted and the coordinator has not rebuilt it yet).") from None
@@ -182,17 +220,15 @@ def _load_reference(ref):
 
 
 def _pull(used):
+    local_params = _state().local_params
     layouts = [l for l in used.values() if not l.embedding]
-    if not layouts:
-        return
-    values = remote.read_full(layouts)
-    with torch.no_grad():
-        for layout, value in zip(layouts, values):
-            param = _local_params[layout.key]
-            param.copy_(value)
-            param.grad = None
+    if layouts:
+        values = remote.read_full(layouts)
+        with torch.no_grad():
+            for layout, value in zip(layouts, values):
+                local_params[layout.key].copy_(value)
     for layout in used.values():
-        param = _local_params[layout.key]
+        param = local_params[layout.key]
         param._ts_sparse_grads = []
         param.grad = None
 
@@ -200,65 +236,63 @@ def _pull(used):
 def _detached(value):
     def leaf(x):
         return x.detach().cpu() if isinstance(x, torch.Tensor) else x
+    return nest.map_structure(leaf, value)
+
+
+def _picklable(error):
+    """`error`, or a RuntimeError with its text when the exception itself cannot travel."""
     try:
-        return nest.map_structure(leaf, value)
-    except Exception:
-        return leaf(value)
+        pickle.dumps(error)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error
 
 
 def run_closure(payload):
-    """Rpc target on a worker: runs one scheduled function. Never raises: failures come
-    back as ``("error", kind, exception, traceback text)`` with kind "ps" when a parameter
-    server could not be reached, "user" otherwise."""
-    _state.used = {}
+    """Rpc target on a worker: runs one scheduled function and returns its `ClosureResult`.
+    Never raises: an error comes back with kind "ps" when a parameter server could not be
+    reached, "user" otherwise."""
+    closure = _state().closure
+    closure.used = {}
     try:
         fn, args, kwargs = pickling.loads(payload, _load_reference, _CLASS_MAP)
-        _pull(_state.used)
+        _pull(closure.used)
         result = fn(*args, **kwargs)
-        return ("ok", _detached(result))
+        return ClosureResult(value=_detached(result))
     except remote.ParameterServerUnavailableError as error:
-        return ("error", "ps", error, traceback.format_exc())
+        return ClosureResult(error=error, error_kind="ps", trace=traceback.format_exc())
     except BaseException as error:  # the function's own error, sent back to the chief
-        try:
-            import pickle
-
-            pickle.dumps(error)
-        except Exception:
-            error = RuntimeError(f"{type(error).__name__}: {error}")
-        return ("error", "user", error, traceback.format_exc())
+        return ClosureResult(error=_picklable(error), error_kind="user",
+                             trace=traceback.format_exc())
     finally:
-        _state.used = None
+        closure.used = None
 
 
 def create_per_worker_value(key, payload, input_context=None):
     """Rpc target: calls the pickled ``fn()`` (``fn(ts.InputContext)`` when `input_context`
     is ``(num_workers, worker_index)``) and keeps the result as this worker's value for
     `key`."""
-    fn, args, make_iterator = pickling.loads(payload, _load_reference_outside_closure,
-                                             _CLASS_MAP)
+    closure = _state().closure
+    outside_closure = closure.used is None
+    if outside_closure:
+        closure.used = {}
+    try:
+        fn, args, make_iterator = pickling.loads(payload, _load_reference, _CLASS_MAP)
+    finally:
+        if outside_closure:
+            closure.used = None
     if input_context is not None:
-        from torchstrategy.input.contexts import InputContext
-
         args = (InputContext(num_input_pipelines=input_context[0],
                              input_pipeline_id=input_context[1]),)
     value = fn(*args)
     if make_iterator:
         value = iter(value)
-    _per_worker[key] = value
+    _state().per_worker[key] = value
     return True
 
 
 def make_iterator(key, source_key):
     """Rpc target: this worker's value for `key` becomes ``iter(value of source_key)``."""
-    _per_worker[key] = iter(_per_worker[source_key])
-    return True
-
-
-def _load_reference_outside_closure(ref):
-    _state.used = {} if _state.used is None else _state.used
-    return _load_reference(ref)
-
-
-def drop_per_worker_value(key):
-    _per_worker.pop(key, None)
+    per_worker = _state().per_worker
+    per_worker[key] = iter(per_worker[source_key])
     return True
