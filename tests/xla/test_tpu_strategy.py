@@ -259,7 +259,7 @@ def test_steps_per_execution_equals_single_steps():
         # 8 steps: the 4th and the 8th cut the graph, each into one execution of 4 steps;
         # the steps in between execute nothing.
         assert finished_executions() - before == len(losses) // 4, f"after {len(losses)} steps"
-    assert len(losses) == 8 and bundled.extended._pending_steps == 0
+    assert len(losses) == 8 and bundled.extended.pending_steps == 0
     losses = torch.stack([bundled.reduce("SUM", l, axis=None).cpu() for l in losses])
     torch.testing.assert_close(losses, losses_single, atol=1e-5, rtol=1e-5)
     assert_states_close(cpu_copy(model), final_single, atol=1e-5)

@@ -21,37 +21,34 @@ Semantics that follow from tracing one program for all replicas:
 
 torch_xla is imported when a TPUStrategy is created, never by ``import torchstrategy``.
 """
-import contextlib
-
 import torch
-import torch.distributed as dist
 
-from torchstrategy import context, nest, values
+from torchstrategy import _compat, context, mirroring, nest, runtime, values
+from torchstrategy.cluster_resolver.tpu import TPUClusterResolver
 from torchstrategy.collectives.communicator import Communicator
 from torchstrategy.collectives.cross_device_ops import NcclAllReduce
+from torchstrategy.communication_options import (CommunicationImplementation,
+                                                  CommunicationOptions)
+from torchstrategy.input.contexts import ValueContext
+from torchstrategy.launch import world as world_lib
 from torchstrategy.reduce_op import ReduceOp, as_reduce_op
 from torchstrategy.replica_context import ReplicaContext
-from torchstrategy.strategies.base import (Strategy, StrategyExtended, _check_not_mixing,
-                                           _require_cross_replica, logger)
-from torchstrategy.strategies.spmd import destination_device as _destination_device
+from torchstrategy.run_options import RunOptions, check_run_options
+from torchstrategy.strategies.base import Strategy, StrategyExtended, logger
+from torchstrategy.strategies.spmd import destination_device
+from torchstrategy.xla import require_torch_xla
+from torchstrategy.xla.input import TPUDistributedDataset, TPUDistributedDatasetsFromFunction
+from torchstrategy.xla.mesh import DataMesh, is_xla, sharding_of
+from torchstrategy.xla.values import GlobalValue, device_ordinal
 
 
 class TPUReplicaContext(ReplicaContext):
     """The replica context of TPUStrategy's ``run``: one traced program standing for every
-    replica at once, seeing global tensors (see the module docstring)."""
+    replica at once, seeing global tensors (see the module docstring). Its ``all_reduce``
+    and ``all_gather`` return their argument (`TPUExtended.replica_all_reduce`)."""
 
     def __init__(self, strategy, device):
         super().__init__(strategy, 0, device)
-
-    def all_reduce(self, reduce_op, value, options=None):
-        """Returns `value`: inside the SPMD program a tensor is already the global one
-        (computed over every replica's rows), so there is nothing left to combine."""
-        as_reduce_op(reduce_op)
-        return value
-
-    def all_gather(self, value, axis, options=None):
-        """Returns `value`: a global tensor already holds every replica's rows."""
-        return value
 
 
 class TPUExtended(StrategyExtended):
@@ -67,20 +64,11 @@ class TPUExtended(StrategyExtended):
     traces_global_batch = True
 
     def __init__(self, container, mesh, communicator, steps_per_execution):
-        # Not StrategyExtended.__init__: there is no gradient reducer (XLA partitions the
-        # backward pass), and the replicas are devices, not processes.
-        from torchstrategy import mirroring
-        import threading
-
-        self._container = container
+        super().__init__(container)
         self._comm = communicator
         self.mesh = mesh
-        self.torch_device = mesh.device
-        self._place_in_scope = True
-        self._mirrored = mirroring.MirroredState()
-        self._reducer = None
-        self._scope_depth = threading.local()
         self.steps_per_execution = steps_per_execution
+        self._recorded = mirroring.MirroredState()
         self._pending_steps = 0
 
     # -- facts ---------------------------------------------------------------------------
@@ -97,64 +85,101 @@ class TPUExtended(StrategyExtended):
     def is_chief(self):
         return self.mesh.process_index == 0
 
-    should_checkpoint = is_chief
-    should_save_summary = is_chief
-
     @property
     def worker_devices(self):
         return (self.mesh.device,)
 
     @property
+    def parameter_devices(self):
+        """The XLA device parameters are replicated over (every device holds a copy)."""
+        return (self.mesh.device,)
+
+    @property
+    def torch_device(self):
+        """torch_xla's SPMD device: tensors on it are global, placed over the whole mesh."""
+        return self.mesh.device
+
+    @property
+    def communicator(self):
+        """Host-side collectives among the hosts' processes (checkpoint barriers, seeds);
+        the devices' collectives are inside the XLA program."""
+        return self._comm
+
+    @property
     def experimental_require_static_shapes(self):
         return True  # a new batch shape is a new XLA compilation
 
-    def _default_replica_context(self):
+    @property
+    def pending_steps(self):
+        """Steps traced since the graph was last cut (0 right after an execution
+        started)."""
+        return self._pending_steps
+
+    # -- running ---------------------------------------------------------------------------
+    def default_replica_context(self):
         return TPUReplicaContext(self._container, self.mesh.device)
 
-    def _device_guard(self):
-        return contextlib.nullcontext()
+    def check_run_options(self, options):
+        """Refuses what torch_xla cannot honour. ``experimental_xla_options``: torch_xla has
+        no per-execution compiler options (XLA flags are read once, from $XLA_FLAGS, when
+        its runtime starts), so it is refused. ``experimental_enable_dynamic_batch_size=
+        False`` is honoured: torch_xla always compiles for the static shapes it traces."""
+        if isinstance(options, RunOptions):
+            if options.experimental_xla_options is not None:
+                raise ValueError(
+                    "RunOptions(experimental_xla_options=...) cannot be honoured: torch_xla "
+                    "takes no compiler options per run; XLA reads its flags once, from the "
+                    "XLA_FLAGS environment variable, when its runtime starts. Set XLA_FLAGS "
+                    "before creating the TPUStrategy and remove the option.")
+            if not options.experimental_enable_dynamic_batch_size:
+                options = RunOptions(
+                    experimental_enable_dynamic_batch_size=True,
+                    experimental_bucketizing_dynamic_shape=options
+                    .experimental_bucketizing_dynamic_shape,
+                    experimental_replicate_to_logical_devices=options
+                    .experimental_replicate_to_logical_devices)
+        return check_run_options(options, "TPUStrategy")
 
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Gradients accumulate in ``.grad`` across backward passes as on one device (the
-        cross-device sums are inside each traced step), so there is nothing to suspend."""
-        yield
+    def call_for_each_replica(self, fn, args, kwargs):
+        """Traces ``fn(*args, **kwargs)`` once for all replicas, over global tensors.
 
-    # -- state ---------------------------------------------------------------------------
-    def _sync_mirrored_state(self):
-        """Makes new parameters and buffers identical on every host (host 0's values; a
-        no-op with one host) and computes them, so their initialisation is not traced into
-        the first step."""
-        import torch_xla
+        `GlobalValue` arguments (batches from the distributed dataset) are passed as their
+        global tensors, host tensors are copied to every device. Inside `fn`,
+        ``loss.backward()`` leaves in each parameter's ``.grad`` the sum of the replicas'
+        gradients (the gradient over the global batch of a loss scaled by
+        ``ts.compute_average_loss``). Every `steps_per_execution` calls the traced steps
+        start executing on the devices. Returns `fn`'s result with every XLA tensor wrapped
+        in a `GlobalValue`.
+        """
+        self.synchronize_mirrored_state()
+        args = self.to_program_input(args)
+        kwargs = self.to_program_input(kwargs)
+        with context.enter(self._container, TPUReplicaContext(self._container,
+                                                              self.mesh.device)):
+            result = fn(*args, **kwargs)
+        self.synchronize_buffers()
+        return self.wrap_global(result)
 
-        pending = self._mirrored.take_pending()
-        if not pending:
-            return
-        if self.mesh.process_count > 1:
-            with torch.no_grad():
-                for tensor in pending:
-                    host = tensor.detach().cpu()
-                    dist.broadcast(host, src=0, group=self._comm.group)
-                    tensor.copy_(host.to(tensor.device))
-        torch_xla.sync()
-
-    def _after_step(self):
-        """Cuts the traced graph every `steps_per_execution` steps: XLA then compiles (once)
-        and runs those steps as one execution, asynchronously."""
+    def synchronize_buffers(self):
+        """The end of a step. Buffers (BatchNorm statistics) are global tensors, identical
+        on every device by construction (those of the global batch); what a step boundary
+        does here is cut the traced graph every `steps_per_execution` steps: XLA then
+        compiles (once) and runs those steps as one execution, asynchronously. ``run`` calls
+        it after each step, an adapter driving its own loop after each optimizer step."""
         self._pending_steps += 1
         if self._pending_steps >= self.steps_per_execution:
             self.flush()
 
     def flush(self):
         """Starts the execution of every step traced so far (asynchronous)."""
-        import torch_xla
+        import torch_xla  # optional dependency: present whenever a TPUStrategy exists
 
         torch_xla.sync()
         self._pending_steps = 0
 
     def materialize(self):
         """Runs everything traced so far and waits for the devices."""
-        import torch_xla.core.xla_model as xm
+        import torch_xla.core.xla_model as xm  # optional dependency (see flush)
 
         self.flush()
         xm.wait_device_ops()
@@ -162,21 +187,15 @@ class TPUExtended(StrategyExtended):
     # -- values --------------------------------------------------------------------------
     def wrap_global(self, structure):
         """Wraps every XLA tensor of `structure` in a `GlobalValue`."""
-        from torchstrategy.xla.values import GlobalValue
-
         return nest.map_structure(
-            lambda leaf: GlobalValue(leaf, self) if _is_xla(leaf) else leaf, structure)
+            lambda leaf: GlobalValue(leaf, self) if is_xla(leaf) else leaf, structure)
 
     def local_pieces(self, tensor):
         """``[(device ordinal, host copy of that device's piece)]`` for the local devices,
         in device order (rows of a split tensor without XLA's padding; copies of a
         replicated one)."""
-        import torch_xla
-        from torchstrategy.xla.values import device_ordinal
-
         self.materialize()
-        shards = torch_xla._XLAC._get_local_shards([tensor])[0]
-        places = torch_xla._XLAC._get_local_shard_replica_and_indices([tensor])[0]
+        shards, places = _compat.xla_local_shards(tensor)
         pieces = []
         for (data, device), (_, indices) in zip(shards, places):
             if indices != Ellipsis:  # drop XLA's padding of an uneven split
@@ -189,8 +208,6 @@ class TPUExtended(StrategyExtended):
         """What the traced step receives for each leaf of `run`'s arguments: the global tensor
         of a `GlobalValue`; the concatenation (split along dim 0) of a several-component
         `PerReplica`; host tensors copied to every device (replicated)."""
-        from torchstrategy.xla.values import GlobalValue
-
         def convert(leaf):
             if isinstance(leaf, GlobalValue):
                 return leaf.tensor
@@ -204,16 +221,14 @@ class TPUExtended(StrategyExtended):
                         "program as their concatenation along dim 0, so each component must "
                         "be a tensor with a batch dimension (e.g. shape [rows, ...]).")
                 return self.mesh.batch_to_device([torch.cat([p.cpu() for p in parts])])[0]
-            if isinstance(leaf, torch.Tensor) and not _is_xla(leaf):
+            if isinstance(leaf, torch.Tensor) and not is_xla(leaf):
                 return self.mesh.replicate_to_device(leaf)
             return leaf
-        return nest.map_structure(convert, structure,)
+        return nest.map_structure(convert, structure)
 
     def _global_tensors(self, value, what):
         """Leaves of `value` as global tensors, and the PerReplica leaves as lists of
         their components (genuinely per-replica values)."""
-        from torchstrategy.xla.values import GlobalValue
-
         leaves, spec = nest.flatten(value)
         out = []
         for index, leaf in enumerate(leaves):
@@ -231,7 +246,11 @@ class TPUExtended(StrategyExtended):
                                 f"a {type(leaf).__name__} ({leaf!r:.60}).")
         return out, spec
 
-    def _reduce(self, reduce_op, value, axis):
+    # -- cross-replica reductions ------------------------------------------------------
+    def reduce_across_replicas(self, reduce_op, value, axis):
+        """A global value already covers every replica: with ``axis=None`` it is returned
+        as it is; with `axis`, SUM / MEAN run along that axis of the global tensor. A
+        `PerReplica` of several components is reduced over its components."""
         op = as_reduce_op(reduce_op)
         leaves, spec = self._global_tensors(value, "reduce")
         out = []
@@ -253,14 +272,11 @@ class TPUExtended(StrategyExtended):
             out.append(leaf.sum(dim=axis) if op is ReduceOp.SUM else leaf.mean(dim=axis))
         return nest.pack(spec, out)
 
-    def _all_gather_local(self, value, axis):
-        """Cross-replica gather: every replica's piece concatenated along `axis`, in replica
-        order. For a tensor split along `axis` that is the global tensor itself (nothing
-        moves); otherwise the pieces are concatenated (a replicated value gives one copy per
-        replica, as tf.distribute's gather of identical values does)."""
-        from torchstrategy.xla.mesh import sharding_of
-        from torchstrategy.xla.values import GlobalValue
-
+    def gather_across_replicas(self, value, axis):
+        """Every replica's piece concatenated along `axis`, in replica order. For a tensor
+        split along `axis` that is the global tensor itself (nothing moves); otherwise the
+        pieces are concatenated (a replicated value gives one copy per replica, as
+        tf.distribute's gather of identical values does)."""
         leaves, spec = nest.flatten(value)
         out = []
         for index, leaf in enumerate(leaves):
@@ -286,28 +302,131 @@ class TPUExtended(StrategyExtended):
                                 f"{type(leaf).__name__}.")
         return nest.pack(spec, out)
 
+    def local_results(self, value):
+        """The pieces of `value` on this host's devices, one per device, in device order
+        (host copies; reading them runs any pending steps first). A structure gives one
+        structure per local device."""
+        if isinstance(value, values.DistributedValues):
+            return value.values
+        leaves, _ = nest.flatten(value)
+        if not any(isinstance(leaf, values.DistributedValues) for leaf in leaves):
+            return (value,)
+        n = self.mesh.num_local_devices
+
+        def piece(leaf, index):
+            if not isinstance(leaf, values.DistributedValues):
+                return leaf
+            parts = leaf.values
+            return parts[index] if len(parts) == n else parts[0]
+        return tuple(nest.map_structure(lambda leaf, i=i: piece(leaf, i), value)
+                     for i in range(n))
+
     def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
+        _refuse_options(options, "batch_reduce_to / reduce_to")
         results = []
         for value, destinations in value_destination_pairs:
-            reduced = self._reduce(reduce_op, value, None)
-            device = _destination_device(destinations)
+            reduced = self.reduce_across_replicas(reduce_op, value, None)
+            device = destination_device(destinations)
             if device is not None:
                 reduced = nest.map_structure(
                     lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, reduced)
             results.append(reduced)
         return results
 
+    # -- collectives in replica context -------------------------------------------------
+    def replica_all_reduce(self, reduce_op, value, options=None):
+        """Returns `value`: inside the SPMD program a tensor is already the global one
+        (computed over every replica's rows), so there is nothing left to combine."""
+        as_reduce_op(reduce_op)
+        _refuse_options(options, "all_reduce")
+        return value
+
+    def replica_all_gather(self, value, axis, options=None):
+        """Returns `value`: a global tensor already holds every replica's rows."""
+        _refuse_options(options, "all_gather")
+        return value
+
+    # -- the scope -----------------------------------------------------------------------
+    def scope_placement(self):
+        """Modules and variables created in the scope are placed on the XLA device."""
+        return self.mesh.device
+
+    def record_parameter(self, module, name, param):
+        self._recorded.add_parameter(param)
+
+    def record_buffer(self, module, name):
+        self._recorded.add_buffer(module, name)
+
+    def record_variable(self, variable):
+        self._recorded.add_tensor(variable.tensor, variable.trainable)
+
+    def synchronize_mirrored_state(self):
+        """Makes new parameters and buffers identical on every host (host 0's values; a
+        no-op with one host) and computes them, so their initialisation is not traced into
+        the first step."""
+        import torch_xla  # optional dependency: present whenever a TPUStrategy exists
+
+        pending = self._recorded.take_pending()
+        if not pending:
+            return
+        if self.mesh.process_count > 1:
+            with torch.no_grad():
+                hosts = [tensor.detach().cpu() for tensor in pending]
+                self._comm.broadcast_(hosts, src=0)
+                for tensor, host in zip(pending, hosts):
+                    tensor.copy_(host.to(tensor.device))
+        torch_xla.sync()
+
+    # -- variables ---------------------------------------------------------------------
+    def write_variable(self, variable, new_value):
+        tensor = variable.tensor
+        with torch.no_grad():
+            tensor.copy_(torch.as_tensor(new_value, dtype=tensor.dtype, device=tensor.device))
+
+    # -- input -------------------------------------------------------------------------
+    def distribute_dataset(self, dataset, options):
+        """Global batches split along dim 0 over the devices, copied ahead of use; see
+        `torchstrategy.xla.input.TPUDistributedDataset`."""
+        return TPUDistributedDataset(self._container, dataset, options)
+
+    def distribute_datasets_from_function(self, dataset_fn, options):
+        """One pipeline per host of per-replica batches; see
+        `torchstrategy.xla.input.TPUDistributedDatasetsFromFunction`."""
+        return TPUDistributedDatasetsFromFunction(self._container, dataset_fn, options)
+
+    def distribute_values_from_function(self, value_fn):
+        """``value_fn(ts.ValueContext)`` once per local device, as a `PerReplica` (passed to
+        ``run`` as the components' concatenation along dim 0)."""
+        first = self.replica_id
+        ids = tuple(range(first, first + self.mesh.num_local_devices))
+        parts = [value_fn(ValueContext(i, self.num_replicas_in_sync)) for i in ids]
+        return values.wrap(parts, ids) if len(ids) > 1 else values.wrap(parts[0], ids)
+
+    # -- optional capabilities -------------------------------------------------------------
     def host_copy(self, obj):
         """`obj` with every XLA tensor copied to the host (what ``ts.checkpoint.save``
         writes, so the file loads anywhere, without torch_xla)."""
-        if not any(_is_xla(leaf) for leaf in nest.flatten(obj)[0]):
+        if not any(is_xla(leaf) for leaf in nest.flatten(obj)[0]):
             return obj
         self.materialize()
-        return nest.map_structure(lambda t: t.cpu() if _is_xla(t) else t, obj)
+        return nest.map_structure(lambda t: t.cpu() if is_xla(t) else t, obj)
 
 
-def _is_xla(value):
-    return isinstance(value, torch.Tensor) and value.device.type == "xla"
+def _refuse_options(options, what):
+    """The devices' collectives are inside the XLA program (XLA chooses how they travel):
+    only ``options=None`` (or a `CommunicationOptions` left at its defaults) is accepted."""
+    if options is None:
+        return
+    if not isinstance(options, CommunicationOptions):
+        raise TypeError(f"options must be a ts.CommunicationOptions (or None), got "
+                        f"{options!r}.")
+    if options.bytes_per_pack or options.timeout_seconds is not None or \
+            options.compression is not None or \
+            options.implementation is not CommunicationImplementation.AUTO:
+        raise ValueError(
+            f"TPUStrategy cannot honour {options!r} in {what}: the cross-device sums are "
+            "compiled into the XLA program, which decides how they travel, and inside run "
+            "tensors are already global. Pass options=None.")
 
 
 def _check_mean(op, tensor):
@@ -361,17 +480,10 @@ class TPUStrategy(Strategy):
     """
 
     def __init__(self, cluster_resolver=None, *, steps_per_execution=1, timeout_seconds=None):
-        from torchstrategy.xla import require_torch_xla
-
         require_torch_xla()
         if int(steps_per_execution) < 1:
             raise ValueError(f"steps_per_execution must be at least 1, got "
                              f"{steps_per_execution}.")
-        from torchstrategy.cluster_resolver.tpu import TPUClusterResolver
-        from torchstrategy.launch import process_group
-        from torchstrategy.launch import world as world_lib
-        from torchstrategy.xla.mesh import DataMesh
-
         resolver = cluster_resolver if cluster_resolver is not None else TPUClusterResolver()
         mesh = DataMesh()
         hosts = getattr(resolver, "num_hosts", None) or resolver.num_workers
@@ -380,17 +492,17 @@ class TPUStrategy(Strategy):
                 f"torch_xla's runtime sees {mesh.process_count} host process(es) but the "
                 f"cluster resolver describes {hosts} host(s); start one process per host on "
                 "every host of the TPU job.")
-        group = None
         if mesh.process_count > 1:
             # Host-side coordination only (checkpoint barriers, seeds): the devices'
             # collectives are inside the XLA program.
-            world = world_lib.from_environment()
+            world = runtime.world_from_environment()
             if world is None or world.world_size != mesh.process_count:
                 raise RuntimeError("A multi-host TPUStrategy needs torchrun's environment "
                                    "(torchrun --nnodes=HOSTS --nproc-per-node=1 train.py).")
-            process_group.ensure_process_group(world, "gloo",
-                                               world_lib.timeout_seconds(timeout_seconds))
-        communicator = Communicator(group, mesh.process_index, mesh.process_count,
+            process = runtime.current()
+            process.adopt_world(world)
+            process.init_process_group(world, "gloo", world_lib.timeout_seconds(timeout_seconds))
+        communicator = Communicator(None, mesh.process_index, mesh.process_count,
                                     torch.device("cpu"), NcclAllReduce())
         super().__init__(TPUExtended(self, mesh, communicator, int(steps_per_execution)))
         self._cluster_resolver = resolver
@@ -401,75 +513,6 @@ class TPUStrategy(Strategy):
     @property
     def cluster_resolver(self):
         return self._cluster_resolver
-
-    # -- run -----------------------------------------------------------------------------
-    def run(self, fn, args=(), kwargs=None, options=None):
-        """Traces ``fn(*args, **kwargs)`` once for all replicas, over global tensors.
-
-        `GlobalValue` arguments (batches from the distributed dataset) are passed as their
-        global tensors, host tensors are copied to every device. Inside `fn`,
-        ``loss.backward()`` leaves in each parameter's ``.grad`` the sum of the replicas'
-        gradients (the gradient over the global batch of a loss scaled by
-        ``ts.compute_average_loss``). Every `steps_per_execution` calls the traced steps
-        start executing on the devices.
-
-        Returns:
-          `fn`'s result with every XLA tensor wrapped in a `GlobalValue`.
-
-        Raises:
-          RuntimeError: when called inside ``run`` or while another strategy is active.
-        """
-        if context.in_run():
-            raise RuntimeError("strategy.run was called inside strategy.run (or merge_call). "
-                               "Nested run is not supported: call the function directly.")
-        _check_not_mixing(self)
-        ext = self._extended
-        ext._sync_mirrored_state()
-        args = ext.to_program_input(args)
-        kwargs = ext.to_program_input(kwargs or {})
-        with context.enter(self, TPUReplicaContext(self, ext.mesh.device)):
-            result = fn(*args, **kwargs)
-        ext._after_step()
-        return ext.wrap_global(result)
-
-    def gather(self, value, axis):
-        """Concatenates every replica's piece of `value` along `axis`, in replica order: for
-        a batch-split tensor and ``axis=0`` that is the global tensor, with nothing moved."""
-        _require_cross_replica("gather")
-        return self._extended._all_gather_local(value, axis)
-
-    def experimental_local_results(self, value):
-        """The pieces of `value` on this host's devices, one per device, in device order
-        (host copies; reading them runs any pending steps first)."""
-        if isinstance(value, values.DistributedValues):
-            return value.values
-        return (value,)
-
-    # -- input ---------------------------------------------------------------------------
-    def experimental_distribute_dataset(self, dataset, options=None):
-        """Distributes an iterable of *global* batches over the devices (split along dim 0),
-        copied ahead of use; see `torchstrategy.xla.input.TPUDistributedDataset`."""
-        from torchstrategy.xla.input import TPUDistributedDataset
-
-        return TPUDistributedDataset(self, dataset, options)
-
-    def distribute_datasets_from_function(self, dataset_fn, options=None):
-        """One pipeline per host of per-replica batches; see
-        `torchstrategy.xla.input.TPUDistributedDatasetsFromFunction`."""
-        from torchstrategy.xla.input import TPUDistributedDatasetsFromFunction
-
-        return TPUDistributedDatasetsFromFunction(self, dataset_fn, options)
-
-    def experimental_distribute_values_from_function(self, value_fn):
-        """Calls ``value_fn(ts.ValueContext)`` once per local device; returns a `PerReplica`
-        (passed to ``run`` as the components' concatenation along dim 0)."""
-        from torchstrategy.input.contexts import ValueContext
-
-        ext = self._extended
-        first = ext.replica_id
-        ids = tuple(range(first, first + ext.mesh.num_local_devices))
-        parts = [value_fn(ValueContext(i, ext.num_replicas_in_sync)) for i in ids]
-        return values.wrap(parts, ids) if len(ids) > 1 else values.wrap(parts[0], ids)
 
     def __repr__(self):
         return f"TPUStrategy(num_replicas_in_sync={self.num_replicas_in_sync})"

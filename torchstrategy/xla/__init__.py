@@ -5,6 +5,8 @@
 """
 import importlib
 
+import torch
+
 INSTALL_COMMAND = "pip install torch==2.9.0 torch_xla==2.9.0"
 
 
@@ -18,8 +20,6 @@ def require_torch_xla():
     try:
         return importlib.import_module("torch_xla")
     except ImportError as error:
-        import torch
-
         raise ImportError(
             f"TPUStrategy needs torch_xla, which is not importable here (torch "
             f"{torch.__version__}): {error}. torch_xla needs exactly the torch it was built "

@@ -6,6 +6,7 @@ Parameters are replicated (every device holds all of them); batches are split al
 """
 import torch
 
+from torchstrategy import _compat
 from torchstrategy.xla import require_torch_xla
 
 AXIS = "data"
@@ -21,6 +22,7 @@ class DataMesh:
 
     def __init__(self):
         require_torch_xla()
+        # torch_xla is an optional dependency: imported only once a TPUStrategy is made.
         import torch_xla
         import torch_xla.runtime as xr
         import torch_xla.distributed.spmd as xs
@@ -56,7 +58,7 @@ class DataMesh:
     def batch_to_device(self, tensors):
         """Copies host (CPU) tensors to the mesh, each split along dim 0 as it is copied (no
         device ever receives rows it does not hold); 0-dim tensors are replicated."""
-        import torch_xla.core.xla_model as xm
+        import torch_xla.core.xla_model as xm  # optional dependency (see __init__)
 
         out = []
         for t in tensors:
@@ -74,9 +76,7 @@ class DataMesh:
 def sharding_of(tensor):
     """torch_xla's text of `tensor`'s sharding ("{replicated}", "{devices=[4,1]0,1,2,3}"),
     or "" before the tensor has been computed."""
-    import torch_xla
-
-    return torch_xla._XLAC._get_xla_sharding_spec(tensor)
+    return _compat.xla_sharding_spec(tensor)
 
 
 def is_xla(value):
