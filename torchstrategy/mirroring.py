@@ -54,7 +54,7 @@ class MirroredState:
     def __init__(self):
         self._params = []
         self._param_ids = set()
-        self._buffers = []        # (weakref to module, name)
+        self._buffer_refs = []        # (weakref to module, name)
         self._buffer_keys = set()
         self._pending = []        # callables returning the tensor to broadcast
 
@@ -75,7 +75,7 @@ class MirroredState:
             return
         self._buffer_keys.add(key)
         ref = weakref.ref(module)
-        self._buffers.append((ref, name))
+        self._buffer_refs.append((ref, name))
         self._pending.append(lambda r=ref, n=name: None if r() is None
                              else _compat.module_buffer(r(), n))
 
@@ -93,7 +93,7 @@ class MirroredState:
     def buffers(self):
         """The live buffer tensors (a module may have replaced a buffer since)."""
         out = []
-        for ref, name in self._buffers:
+        for ref, name in self._buffer_refs:
             module = ref()
             if module is not None:
                 tensor = _compat.module_buffer(module, name)

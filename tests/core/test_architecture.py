@@ -46,7 +46,7 @@ LAYERS = {
 OPTIONAL = ("lightning", "pytorch_lightning", "torch_xla", "torchstrategy.lightning",
             "ray", "importlib", "cloudpickle", "numpy")
 
-PRIVATE_APIS = ("_pytree", "_get_default_group", "_get_default_store", "_use_count(",
+PRIVATE_APIS = ("_pytree", "_get_default_group", "_get_default_store", "._use_count(",
                 "._buffers", "_opt_called", "_XLAC", "_MultiProcessingLauncher",
                 "_get_current_rpc_agent", "_non_persistent_buffers_set")
 
