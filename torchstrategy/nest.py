@@ -1,8 +1,7 @@
 """Nested structures (dict, list, tuple, namedtuple) of values, as tf.nest handles them.
 
 Built on torch's pytree (through _compat), the structure library torch itself uses, so every
-container
-torch knows (including user-registered ones) works here too.
+container torch knows (including user-registered ones) works here too.
 """
 import torch
 from torchstrategy import _compat
