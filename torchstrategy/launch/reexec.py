@@ -10,8 +10,10 @@ set, then supervises them:
 - children never outlive replica 0 (PR_SET_PDEATHSIG on Linux, and a watchdog thread).
 """
 import ctypes
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 from torchstrategy.launch import world as world_lib
+
+logger = logging.getLogger("torchstrategy")
 
 _POLL_SECONDS = 0.1
 _TERMINATE_GRACE_SECONDS = 5.0
@@ -61,6 +65,86 @@ def _die_with_parent():
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def die_with_parent(launcher_pid):
+    """In a replica started by `launcher_pid` (`ts.launch`): end this process when the
+    launcher dies, SIGTERM and SIGKILL included.
+
+    PR_SET_PDEATHSIG covers a replica that is the launcher's child (start methods "spawn" and
+    "fork"); under "forkserver" the parent is the fork server, which outlives the launcher
+    while replicas hold its liveness pipe, so a thread also watches the launcher itself. A
+    launcher that died before this ran (the race PR_SET_PDEATHSIG leaves) ends us now.
+    """
+    _die_with_parent()
+    started = _start_time(launcher_pid)
+    if started is None:
+        os._exit(1)
+
+    def watch():
+        while _start_time(launcher_pid) == started:  # a reused pid has another start time
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="torchstrategy-launcher-watch", daemon=True).start()
+
+
+def _start_time(pid):
+    """When process `pid` started (an opaque token), or None if it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return None if fields[0] in ("Z", "X") else fields[19]
+    except FileNotFoundError:
+        return None
+    except (OSError, IndexError):  # no /proc here: whether the pid exists at all
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return "alive"
+
+
+def listening_store(host, world_size, timeout, port=0):
+    """The master `TCPStore` of a rendezvous, listening on `host` only (never every
+    interface): the socket is bound here and handed to the store, which owns its descriptor
+    from then on. `host` "127.0.0.1" for one machine; the configured chief address for
+    several. If that address is not one of this machine's (a NAT or service address), the
+    store listens on every interface, with a warning.
+
+    Raises:
+      OSError: the port is taken, naming the address.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, _, _, _, address = infos[0]
+    except socket.gaierror:
+        address = (host, port)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as error:
+            if error.errno != 99:  # EADDRNOTAVAIL: not an address of this machine
+                raise OSError(error.errno, f"The rendezvous store cannot listen on "
+                              f"{host}:{port}: {error.strerror}.") from None
+            logger.warning(f"{host} is not an address of this machine; the rendezvous store "
+                           f"listens on port {port} of every interface. Make sure only the "
+                           "cluster's machines can reach it.")
+            sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", port))
+        sock.listen(512)
+        store = dist.TCPStore(host, sock.getsockname()[1], world_size, is_master=True,
+                              wait_for_workers=False, timeout=timeout,
+                              master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store closes the descriptor when it is destroyed
+    return store
 
 
 def watch_parent():
@@ -229,10 +313,11 @@ def start_local_replicas(num_replicas, timeout_seconds, *, node_rank=0, num_node
     command = reexec_command() if num_replicas > 1 else None
     if num_nodes == 1:
         master_addr = "127.0.0.1"
-        store = dist.TCPStore(master_addr, 0, world_size, is_master=True,
-                              wait_for_workers=False, timeout=timeout)
+        store = listening_store(master_addr, world_size, timeout)
+    elif node_rank == 0:
+        store = listening_store(master_addr, world_size, timeout, port=master_port)
     else:
-        store = dist.TCPStore(master_addr, master_port, world_size, is_master=node_rank == 0,
+        store = dist.TCPStore(master_addr, master_port, world_size, is_master=False,
                               wait_for_workers=False, timeout=timeout)
     first_rank = node_rank * num_replicas
     threads = world_lib.threads_per_replica(num_replicas)

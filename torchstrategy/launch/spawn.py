@@ -8,9 +8,11 @@ import traceback
 import multiprocessing
 from multiprocessing import connection
 
-import torch.distributed as dist
+import torch
+
 
 from torchstrategy import runtime
+from torchstrategy.launch import reexec
 from torchstrategy.launch import world as world_lib
 
 _TERMINATE_GRACE_SECONDS = 5.0
@@ -31,11 +33,10 @@ class ReplicaFailed(RuntimeError):
     """A replica process died without reporting an exception (killed, os._exit, crash)."""
 
 
-def _replica_main(fn, args, kwargs, rank, num_replicas, port, timeout, conn):
+def _replica_main(fn, args, kwargs, rank, num_replicas, port, timeout, conn, launcher_pid):
+    reexec.die_with_parent(launcher_pid)  # a killed ts.launch leaves no replica behind
     os.environ.update(world_lib.replica_environment(rank, num_replicas, port, "launch",
                                                     timeout))
-    import torch
-
     torch.set_num_threads(world_lib.threads_per_replica(num_replicas))
     try:
         result = fn(*args, **kwargs)
@@ -121,16 +122,17 @@ def launch(fn, *args, num_replicas, timeout_seconds=None, start_method="forkserv
         # The server imports torch once; each replica then forks from it in milliseconds.
         # torch.optim pulls in torch._dynamo (over a second): import it once there too.
         context.set_forkserver_preload(["torchstrategy", "torch.optim"])
-    store = dist.TCPStore("127.0.0.1", 0, num_replicas, is_master=True,
-                          wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout))
+    # Loopback only: nothing outside this machine can reach the store the replicas trust.
+    store = reexec.listening_store("127.0.0.1", num_replicas,
+                                   datetime.timedelta(seconds=timeout))
     processes, readers = [], {}
     try:
         for rank in range(num_replicas):
             reader, writer = context.Pipe(duplex=False)
             process = context.Process(
                 target=_replica_main, name=f"torchstrategy-replica-{rank}",
-                args=(fn, args, kwargs, rank, num_replicas, store.port, timeout, writer))
+                args=(fn, args, kwargs, rank, num_replicas, store.port, timeout, writer,
+                      os.getpid()))
             process.start()
             writer.close()
             processes.append(process)

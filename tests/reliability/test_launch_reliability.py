@@ -1,0 +1,132 @@
+"""Issue 19, items 1, 8, 9: the rendezvous store listens on loopback only; a killed
+`ts.launch` parent leaves no replica; a re-executed replica runs one parent watch."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers import SCRIPTS
+
+SCRIPT = os.path.join(SCRIPTS, "reliability_launch.py")
+pytestmark = pytest.mark.timeout(240)
+
+
+def _env():
+    env = dict(os.environ)
+    env["TORCHSTRATEGY_TIMEOUT_SECONDS"] = "60"
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHSTRATEGY_LAUNCHER",
+                 "TORCHSTRATEGY_PARENT_PID", "GROUP_RANK", "GROUP_WORLD_SIZE"):
+        env.pop(name, None)
+    return env
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_for(paths, process, seconds=120):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not all(os.path.exists(p) for p in paths):
+        if process.poll() is not None:
+            pytest.fail(f"the job ended early (rc {process.returncode}): {_output(paths)}")
+        time.sleep(0.1)
+    assert all(os.path.exists(p) for p in paths), f"not written in {seconds}s: {paths}"
+
+
+def _log(tmp_path):
+    # A file, not a pipe: replicas that outlive the parent would hold a pipe open.
+    return open(tmp_path / "output.log", "w")
+
+
+def _output(paths):
+    path = os.path.join(os.path.dirname(paths[0]), "output.log")
+    return open(path).read()[-3000:] if os.path.exists(path) else ""
+
+
+def listening_addresses(port):
+    """The local addresses of the sockets listening on `port` (IPv4 and IPv6)."""
+    found = []
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            fields = line.split()
+            address, hex_port = fields[1].split(":")
+            if int(hex_port, 16) != port or fields[3] != "0A":  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(address)
+            # /proc writes each 32-bit word in host (little-endian) order.
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            found.append(socket.inet_ntop(family, raw))
+    return found
+
+
+def _assert_loopback_only(port):
+    addresses = listening_addresses(port)
+    assert addresses, f"nothing listens on port {port}"
+    assert all(a in ("127.0.0.1", "::ffff:127.0.0.1") for a in addresses), \
+        f"the rendezvous store on port {port} listens on {addresses}, not loopback only"
+
+
+def _kill_group(process):
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait(timeout=30)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_killed_launch_parent_leaves_no_replica_and_store_is_loopback_only(tmp_path, sig):
+    process = subprocess.Popen([sys.executable, SCRIPT, "launch_sleep", str(tmp_path)],
+                               env=_env(), stdout=_log(tmp_path), stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        _wait_for([tmp_path / f"pid{r}" for r in range(2)], process)
+        # Item 1: ts.launch's store is reachable from this machine only.
+        _assert_loopback_only(int((tmp_path / "port0").read_text()))
+        pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+        assert all(_alive(p) for p in pids)
+        # Item 8: the parent is killed (only it, not its process group).
+        os.kill(process.pid, sig)
+        process.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.1)
+        survivors = [p for p in pids if _alive(p)]
+        assert not survivors, f"replicas {survivors} outlived the killed ts.launch parent"
+    finally:
+        _kill_group(process)
+
+
+def test_reexec_store_is_loopback_only_and_one_parent_watch_per_replica(tmp_path):
+    process = subprocess.Popen([sys.executable, SCRIPT, "reexec_many", str(tmp_path)],
+                               env=_env(), stdout=_log(tmp_path), stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        _wait_for([tmp_path / f"pid{r}" for r in range(2)], process)
+        # Item 1: re-execution's store (hosted by replica 0) listens on loopback only.
+        _assert_loopback_only(int((tmp_path / "port0").read_text()))
+        # Item 9: 20 strategies, one watch thread in the re-executed replica, none in 0.
+        assert (tmp_path / "watchers1").read_text() == "1"
+        assert (tmp_path / "watchers0").read_text() == "0"
+        (tmp_path / "done").write_text("")
+        process.wait(timeout=120)
+        assert process.returncode == 0, (tmp_path / "output.log").read_text()[-3000:]
+    finally:
+        _kill_group(process)
