@@ -18,7 +18,7 @@ Or torchrun on each machine (restarts failed workers; the backup resumes the loo
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=2 --nproc-per-node=2 \\
         --rdzv-backend=c10d --rdzv-endpoint=10.0.0.1:29400 --rdzv-id=digits \\
-        --max-restarts=3 examples/multi_worker.py --backup-dir /tmp/digits-backup
+        --max-restarts=3 examples/multi_worker.py --backup-dir "$HOME/jobs/digits/backup"
 """
 import argparse
 import logging

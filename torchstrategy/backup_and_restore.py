@@ -22,8 +22,10 @@ Every replica calls the same methods at the same points (they are collectives). 
 while writing leaves the previous backup intact; at start the chief reads it and sends it to
 the others, so only the chief's machine needs to see `backup_dir`.
 """
+import glob
 import itertools
 import os
+import pickle
 import random
 import sys
 import tempfile
@@ -81,7 +83,10 @@ def _rng_state():
         state["cuda"] = torch.cuda.get_rng_state()
     numpy = sys.modules.get("numpy")
     if numpy is not None:
-        state["numpy"] = numpy.random.get_state()
+        # Plain values (no ndarray), so the backup loads with weights_only=True.
+        name, keys, position, has_gauss, cached = numpy.random.get_state(legacy=True)
+        state["numpy"] = (str(name), [int(k) for k in keys], int(position), int(has_gauss),
+                          float(cached))
     return state
 
 
@@ -95,12 +100,30 @@ def _set_rng_state(state):
     if "numpy" in state:
         import numpy  # optional dependency: saved only when the program had imported it
 
-        numpy.random.set_state(state["numpy"])
+        name, keys, position, has_gauss, cached = state["numpy"]
+        numpy.random.set_state((name, numpy.asarray(keys, dtype=numpy.uint32), position,
+                                has_gauss, cached))
+
+
+def _check_private(directory):
+    """Refuses a backup directory that someone else could have planted a backup in."""
+    try:
+        info = os.stat(directory)
+    except FileNotFoundError:
+        return
+    others_write = info.st_mode & 0o022
+    if others_write or info.st_uid != os.geteuid():
+        who = "writable by other users" if others_write else f"owned by uid {info.st_uid}"
+        raise PermissionError(
+            f"BackupAndRestore refuses the backup directory {directory}: it is {who} "
+            f"(mode {info.st_mode & 0o777:o}), so someone else could plant a backup in it. "
+            f"Use a directory of this job only, or run `chmod go-w {directory}` (and make it "
+            "yours) if you trust it.")
 
 
 def _write_atomically(obj, path):
     directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
     try:
         with os.fdopen(handle, "wb") as f:
@@ -149,6 +172,18 @@ class BackupAndRestore:
         self._pending_datasets = []
         self._pending_rng = None
         self._epoch_rng = None  # the random state when the current epoch's steps began
+        if _rank() == 0:
+            self._open_directory()
+
+    def _open_directory(self):
+        """Checks that only this user can write the directory, and removes temporaries
+        that a backup write killed midway left behind (only the chief writes here)."""
+        _check_private(self.backup_dir)
+        for stale in glob.glob(os.path.join(glob.escape(self.backup_dir), ".tmp-*.pt")):
+            try:
+                os.unlink(stale)
+            except FileNotFoundError:
+                pass
 
     @property
     def path(self):
@@ -184,12 +219,29 @@ class BackupAndRestore:
         return self
 
     def _read(self):
-        # The backup holds Python objects (random states), so it is fully unpickled: it is
-        # a file this class wrote in `backup_dir`, which must not be writable by others.
+        # weights_only: tensors and plain Python values only; a planted pickle runs nothing.
         payload = None
+        error = None
         if _rank() == 0 and os.path.exists(self.path):
-            payload = torch.load(self.path, map_location="cpu", weights_only=False)
-        return _broadcast_from_chief(payload)
+            try:
+                _check_private(self.backup_dir)
+                payload = torch.load(self.path, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as caught:
+                error = pickle.UnpicklingError(
+                    f"The backup {self.path} holds objects other than tensors and plain values "
+                    f"and was not loaded ({str(caught).splitlines()[0]}). It was not written by "
+                    "this version of BackupAndRestore, or someone else wrote it; delete it to "
+                    "start afresh.")
+            except BaseException as caught:  # the broadcast below must still be reached
+                error = caught
+        payload = _broadcast_from_chief(("error", None) if error is not None else
+                                        ("ok", payload))
+        if error is not None:
+            raise error
+        if payload[0] == "error":
+            raise RuntimeError(f"The chief could not read the backup in {self.backup_dir}; "
+                               "see its error.")
+        return payload[1]
 
     def _restore(self, payload, objects):
         missing = [name for name in objects if name not in payload["objects"]]

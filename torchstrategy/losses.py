@@ -4,6 +4,9 @@ Under a strategy, ``backward()`` *sums* gradients over replicas (TensorFlow's se
 Dividing each replica's summed per-example loss by the *global* batch size makes that sum
 the gradient of the global-batch mean loss, exactly as single-device training computes it.
 """
+import math
+import numbers
+
 import torch
 
 from torchstrategy import context
@@ -32,6 +35,8 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
     if per_example_loss.dim() == 0:
         raise ValueError("compute_average_loss needs per-example losses (shape [batch, ...]); "
                          "got a scalar. Compute the loss with reduction='none'.")
+    if global_batch_size is not None:
+        global_batch_size = _checked_batch_size(global_batch_size)
     if sample_weight is not None:
         per_example_loss = per_example_loss * sample_weight
     # As in TensorFlow, every element is summed: a per-token loss of shape [batch, tokens]
@@ -53,6 +58,21 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
             return per_example_loss.sum()
         raise ValueError(f"global_batch_size must be positive, got {global_batch_size}.")
     return per_example_loss.sum() / global_batch_size
+
+
+def _checked_batch_size(value):
+    """`value` as a number of examples, or a ValueError naming it and the fix."""
+    number = value
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and \
+            not value.dtype.is_complex and value.dtype != torch.bool:
+        number = value.item()
+    valid = isinstance(number, numbers.Real) and not isinstance(number, bool) and \
+        math.isfinite(number) and number > 0 and float(number).is_integer()
+    if not valid:
+        raise ValueError(f"compute_average_loss: global_batch_size must be positive and whole "
+                         f"(a number of examples), got global_batch_size={value!r}. Pass the "
+                         "batch size summed over all replicas, or None to count it.")
+    return number
 
 
 def scale_regularization_loss(regularization_loss):

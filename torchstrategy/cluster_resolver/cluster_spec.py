@@ -11,9 +11,12 @@ def parse_address(address):
       ValueError: naming the address when it is not of that form or the port is out of range.
     """
     match = _ADDRESS.match(address) if isinstance(address, str) else None
-    if match is None or not 0 <= int(match.group(2)) <= 65535:
+    if match is None:
         raise ValueError(f"Task address {address!r} is not of the form 'host:port' "
                          f"(for IPv6: '[::1]:port').")
+    if not 0 <= int(match.group(2)) <= 65535:
+        raise ValueError(f"Task address {address!r}: port {int(match.group(2))} is out of "
+                         "range; a port is 0..65535 (usually 1024..65535).")
     host = match.group(1)
     return host.strip("[]"), int(match.group(2))
 

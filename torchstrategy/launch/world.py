@@ -9,6 +9,7 @@ Three launchers are recognised, in this order:
 3. Otherwise the process is alone: a plain ``python train.py``.
 """
 import dataclasses
+import math
 import os
 from typing import Any, Optional
 
@@ -71,8 +72,22 @@ def from_environment():
     world_size = _int_env("WORLD_SIZE")
     local_world_size = _int_env("LOCAL_WORLD_SIZE", world_size)
     rank = _int_env("RANK")
+    local_rank = _int_env("LOCAL_RANK", rank)
+    if world_size < 1:
+        raise ValueError(f"WORLD_SIZE={world_size} in the environment: the number of replicas "
+                         "must be at least 1. Fix the launcher's variables (or unset them to "
+                         "run one process).")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"RANK={rank} with WORLD_SIZE={world_size} in the environment: RANK "
+                         f"must be 0..{world_size - 1}. Fix the launcher's variables, or unset "
+                         "RANK and WORLD_SIZE to run one process.")
+    if not 1 <= local_world_size <= world_size or not 0 <= local_rank < local_world_size:
+        raise ValueError(f"LOCAL_RANK={local_rank} with LOCAL_WORLD_SIZE={local_world_size} "
+                         f"(WORLD_SIZE={world_size}) in the environment: LOCAL_RANK must be "
+                         "0..LOCAL_WORLD_SIZE-1 and LOCAL_WORLD_SIZE at most WORLD_SIZE. Fix the "
+                         "launcher's variables.")
     return World(rank=rank, world_size=world_size,
-                 local_rank=_int_env("LOCAL_RANK", rank),
+                 local_rank=local_rank,
                  local_world_size=local_world_size,
                  launcher=launcher or "torchrun",
                  master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
@@ -85,11 +100,18 @@ def from_environment():
 def timeout_seconds(explicit=None):
     """The collective timeout: `explicit`, else $TORCHSTRATEGY_TIMEOUT_SECONDS, else 30 min."""
     if explicit is not None:
-        value = float(explicit)
+        name, raw = "timeout_seconds", explicit
+        fix = "pass a positive, finite number of seconds, e.g. timeout_seconds=600"
     else:
-        value = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_SECONDS))
-    if value <= 0:
-        raise ValueError(f"The timeout must be positive, got {value} seconds.")
+        name, raw = TIMEOUT_ENV, os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_SECONDS)
+        fix = f"set {TIMEOUT_ENV} to a positive, finite number of seconds, e.g. 600, or unset it"
+    try:
+        value = None if isinstance(raw, bool) else float(raw)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"The timeout must be a positive, finite number of seconds, got "
+                         f"{name}={raw!r}: {fix}.")
     return value
 
 

@@ -83,6 +83,11 @@ class MirroredStrategy(Strategy):
 
     def __init__(self, devices=None, cross_device_ops=None, *, timeout_seconds=None,
                  bucket_cap_mb=25):
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
+                or not 0 < bucket_cap_mb < float("inf"):
+            # Checked before any replica is launched, whatever their number.
+            raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got "
+                             f"bucket_cap_mb={bucket_cap_mb!r} (the default is 25).")
         cross_device_ops = as_cross_device_ops(cross_device_ops)
         timeout = world_lib.timeout_seconds(timeout_seconds)
         world, local = establish_world(devices, timeout)
