@@ -1,8 +1,10 @@
 """Builds torchstrategy and its extension ``torchstrategy._C`` from ``csrc/``.
 
-The C++ sources always build. CUDA sources (``csrc/*.cu``) build only when the installed
-torch has CUDA and the nvcc found by torch.utils.cpp_extension has the same major version,
-so a machine without a GPU toolchain still gets the C++ kernels.
+The C++ sources (``csrc/*.cpp``) always build; ``csrc/bindings.cpp`` registers everything
+the others implement. CUDA sources (``csrc/*.cu``) build only when the installed torch has
+CUDA and the nvcc found by torch.utils.cpp_extension has the same major version, so a
+machine without a GPU toolchain still gets the C++ kernels; TORCHSTRATEGY_WITH_CUDA then
+tells bindings.cpp to register the CUDA kernels.
 """
 import glob
 import os

@@ -1,16 +1,12 @@
-// Fused pack/unpack of many tensors into one flat communication buffer.
+// Fused pack/unpack of many tensors into one flat communication buffer: the CPU kernels
+// and the device-generic ones (csrc/bucket_ops.h states what the ops compute).
 //
 // The gradient reducer and the fused collectives move many small tensors through one
 // collective. These ops do the copies in one call: one Python->C++ crossing per bucket
 // instead of one per tensor, with the scale (1/N for MEAN) fused into the same pass.
-//
-//   pack(flat, tensors, offsets, numels, scale):
-//                                           flat[off_i : off_i + n_i] = scale * tensors[i]
-//                                           (an undefined tensor packs n_i zeros)
-//   unpack(flat, tensors, offsets, scale, accumulate):
-//                                           tensors[i] = scale * flat[off_i : off_i + n_i]
-//                                           (+ tensors[i] when accumulate)
-#include <torch/extension.h>
+#include "bucket_ops.h"
+
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/Dispatch.h>
 #include <ATen/cpu/vec/functional.h>
@@ -206,6 +202,8 @@ void run_segments(const at::Tensor& flat, const std::vector<at::Tensor>& tensors
   });
 }
 
+}  // namespace
+
 void pack_cpu(at::Tensor flat, const c10::List<std::optional<at::Tensor>>& tensors,
               at::IntArrayRef offsets, at::IntArrayRef sizes, double scale) {
   const size_t count = tensors.size();
@@ -259,7 +257,7 @@ void unpack_cpu(at::Tensor flat, at::TensorList tensors, at::IntArrayRef offsets
 }
 
 // Device-generic versions built from ATen ops, used for every device without a dedicated
-// kernel (CUDA until csrc/ has its own kernels): one cat for the whole pack and foreach
+// kernel (CUDA too, where the extension was built without nvcc): one cat for the whole pack and foreach
 // ops for the unpack, so a bucket still costs a handful of kernel launches, not one per
 // tensor. Also registered as *_reference ops so the CPU tests check them.
 void pack_generic(at::Tensor flat, const c10::List<std::optional<at::Tensor>>& tensors,
@@ -325,32 +323,6 @@ void unpack_generic(at::Tensor flat, at::TensorList tensors, at::IntArrayRef off
     at::_foreach_copy_(targets, sources);
     if (scale != 1.0) at::_foreach_mul_(targets, at::Scalar(scale));
   }
-}
-
-}  // namespace
-
-TORCH_LIBRARY(torchstrategy, m) {
-  m.def("pack(Tensor(a!) flat, Tensor?[] tensors, int[] offsets, int[] numels, "
-        "float scale) -> ()");
-  m.def("unpack(Tensor flat, Tensor(a!)[] tensors, int[] offsets, float scale, "
-        "bool accumulate) -> ()");
-  m.def("pack_reference(Tensor(a!) flat, Tensor?[] tensors, int[] offsets, int[] numels, "
-        "float scale) -> ()");
-  m.def("unpack_reference(Tensor flat, Tensor(a!)[] tensors, int[] offsets, float scale, "
-        "bool accumulate) -> ()");
-}
-
-// Every device without a dedicated kernel gets the generic implementation.
-TORCH_LIBRARY_IMPL(torchstrategy, CompositeExplicitAutograd, m) {
-  m.impl("pack", &pack_generic);
-  m.impl("unpack", &unpack_generic);
-  m.impl("pack_reference", &pack_generic);
-  m.impl("unpack_reference", &unpack_generic);
-}
-
-TORCH_LIBRARY_IMPL(torchstrategy, CPU, m) {
-  m.impl("pack", &pack_cpu);
-  m.impl("unpack", &unpack_cpu);
 }
 
 }  // namespace torchstrategy

@@ -7,7 +7,9 @@
 // allocator aligns every tensor) a thread moves 16 source bytes per load.
 // Non-floating dtypes and strided tensors take ATen's copy (rare: fused collectives of
 // integer tensors).
-#include <torch/extension.h>
+#include "bucket_ops.h"
+
+#include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -118,6 +120,8 @@ void add_chunks(std::vector<Chunk>& chunks, const void* src, void* dst, int64_t 
   }
 }
 
+}  // namespace
+
 void pack_cuda(at::Tensor flat, const c10::List<std::optional<at::Tensor>>& tensors,
                at::IntArrayRef offsets, at::IntArrayRef numels, double scale) {
   const size_t count = tensors.size();
@@ -201,13 +205,6 @@ void unpack_cuda(at::Tensor flat, at::TensorList tensors, at::IntArrayRef offset
   for (const auto& [dtype, chunks] : groups) {
     launch(chunks, flat.scalar_type(), dtype, flat, scale, accumulate);
   }
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(torchstrategy, CUDA, m) {
-  m.impl("pack", &pack_cuda);
-  m.impl("unpack", &unpack_cuda);
 }
 
 }  // namespace torchstrategy

@@ -1,0 +1,161 @@
+// The gradient reducer's hot path (torchstrategy._C.Reducer): bucket bookkeeping, the
+// autograd hooks, launching each full bucket's all-reduce, and settling the gradients
+// after backward. torchstrategy/collectives/reducer.py documents the semantics;
+// csrc/reducer.cpp implements them without a Python call per parameter, and
+// csrc/bucket_layout.h decides which parameters share a bucket.
+//
+// Locks, and the order they are taken in
+// --------------------------------------
+// 1. Reducer::mutex_ guards the state the autograd hooks touch. The hooks
+//    (before_accumulation, on_ready) run on autograd engine threads without the GIL: the
+//    thread that called backward() (torch releases the GIL for the whole pass) or a
+//    device's engine thread.
+// 2. The GIL.
+// 3. Locks inside torch the reducer calls into: the c10d backend's work queue (taken by
+//    allreduce and Work::wait), the autograd engine's callback queue (queue_callback).
+//
+// Rules, which every caller follows:
+// - mutex_ may be held while taking the GIL, never the reverse: on_ready() -> launch()
+//   takes the GIL for a Python all_reduce_async with mutex_ held, so a thread holding the
+//   GIL releases it before taking mutex_ (build() and mark_ready() do).
+// - Never enqueue a collective or wait on c10d work while holding the GIL: a gloo worker
+//   thread releasing a finished work takes the GIL while holding its queue's lock.
+//   finalize() releases the GIL for both; the hooks never hold it; a Python
+//   all_reduce_async or Work.wait goes through torch's bindings, which release it.
+// - mutex_ may be held while calling queue_callback: the engine runs the queued callback
+//   after releasing its own lock, and the callback takes only the GIL.
+// - finalize(), reset_step(), and the configuration and inspection calls run with the GIL
+//   and without mutex_: they run between backward passes or from the engine's final
+//   callback, after every hook of that pass returned, so no hook runs beside them.
+// - Python objects (the constructor's arguments, a bucket's py_work) are created, copied
+//   and destroyed only with the GIL; ~Reducer() takes it, as the last reference can be a
+//   hook's on an engine thread.
+#pragma once
+
+#include "bucket_layout.h"
+#include "compat.h"
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace torchstrategy {
+
+// One flat buffer all-reduced in one collective, and the parameters whose slots it holds.
+struct Bucket {
+  std::vector<int64_t> params;  // parameter indices, in slot order
+  std::vector<int64_t> offsets;
+  std::vector<int64_t> numels;
+  int64_t flags_at = 0;         // one "contributed" flag per parameter from here
+  at::ScalarType dtype = at::kFloat;
+  at::Device device = at::kCPU;
+  at::Tensor flat;
+  std::vector<at::Tensor> views;
+  at::Tensor wire;              // the compressed copy on the wire; undefined: flat travels
+  std::vector<char> ready;
+  int64_t pending = 0;
+  bool complete = false;        // launched with every parameter ready
+  compat::WorkPtr work;
+  std::optional<pybind11::object> py_work;  // set and cleared with the GIL held
+};
+
+class Reducer : public std::enable_shared_from_this<Reducer> {
+ public:
+  // Buckets go through `process_group` from C++ when it is not None, else through
+  // `cross_device_ops.all_reduce_async(buffer, group)` (after `hold(buffer)`).
+  // `finalize_callback` is called with the GIL once per backward and must call finalize().
+  Reducer(int64_t cap_bytes, int64_t first_cap_bytes, int64_t world_size,
+          std::string compression, pybind11::object process_group,
+          pybind11::object cross_device_ops, pybind11::object group, pybind11::object hold,
+          pybind11::object finalize_callback);
+  ~Reducer();
+
+  // Registers parameters (hooks included); build() must follow.
+  void add_parameters(const std::vector<at::Tensor>& params);
+  // Lays out the parameters, in `order`, into buckets (GIL held: it is released inside).
+  void build(const std::vector<int64_t>& order);
+
+  void set_sync(bool sync) { sync_ = sync; }
+  bool sync() const { return sync_; }
+
+  // Starts recording the order gradients arrive in (the next synchronised backward).
+  void start_recording();
+  // The recorded arrival order (parameter indices), once a synchronised backward ran.
+  std::optional<std::vector<int64_t>> take_arrival();
+
+  // What the post-accumulate-grad hook does, outside backward (benchmarks, tests): marks
+  // parameter `index` ready, launching its bucket once full. finalize() must follow.
+  // Called without the GIL.
+  void mark_ready(int64_t index);
+  // Launches the buckets still waiting, waits for every all-reduce and settles the
+  // gradients (GIL held). Returns whether this backward was synchronised.
+  bool finalize();
+  // Clears the per-backward state (GIL held; also after a failed finalize).
+  void reset_step();
+
+  // -- inspection ----------------------------------------------------------------------
+  std::vector<int64_t> bucket_sizes() const;
+  std::vector<int64_t> bucket_order() const;
+  // (dtype name, slot sizes, elements of the flat buffer, wire dtype name or "") per bucket.
+  std::vector<std::tuple<std::string, std::vector<int64_t>, int64_t, std::string>>
+  bucket_layout() const;
+  // True when buckets are launched on the c10d process group from C++; false when they go
+  // through the cross-device ops' Python all_reduce_async.
+  bool launches_on_process_group() const { return static_cast<bool>(process_group_); }
+  bool is_bucket_view(int64_t index) const { return is_view(index, params_[index].grad()); }
+  // (bytes reduced, buckets launched, seconds waited, synchronised backward passes).
+  std::tuple<int64_t, int64_t, double, int64_t> stats() const {
+    return {last_bytes_, last_buckets_, last_waited_, steps_};
+  }
+
+ private:
+  Bucket allocate(BucketSpec spec) const;
+  bool is_view(int64_t index, const at::Tensor& grad) const;
+  void before_accumulation(int64_t index);
+  void on_ready(int64_t index);
+  void queue_finalize();
+  void launch(Bucket& b);
+  void settle(Bucket& b);
+  at::Tensor take_kept(int64_t index);
+
+  const int64_t cap_;
+  const int64_t first_cap_;
+  const int64_t world_size_;
+  std::optional<at::ScalarType> wire_dtype_;
+  compat::ProcessGroupPtr process_group_;
+  pybind11::object cross_device_ops_;
+  pybind11::object group_;
+  pybind11::object hold_;
+  pybind11::object finalize_callback_;
+
+  std::mutex mutex_;
+  std::vector<at::Tensor> params_;
+  std::vector<compat::GradAccumulator> accumulators_;
+  std::vector<Bucket> buckets_;
+  std::vector<std::pair<int64_t, int64_t>> slots_;  // parameter -> (bucket, slot)
+  std::vector<char> local_;            // accumulated under no_sync since the last sync
+  std::vector<at::Tensor> stash_;      // .grad kept from before this backward
+  std::vector<at::Tensor> synced_part_;  // summed part under a no_sync accumulation
+  bool sync_ = true;
+  bool queued_ = false;
+  bool any_ready_ = false;
+  size_t next_launch_ = 0;
+  bool recording_ = false;
+  bool recorded_ = false;
+  std::vector<int64_t> arrival_;
+  int64_t step_bytes_ = 0;
+  int64_t step_buckets_ = 0;
+  int64_t last_bytes_ = 0;
+  int64_t last_buckets_ = 0;
+  double last_waited_ = 0.0;
+  int64_t steps_ = 0;
+};
+
+}  // namespace torchstrategy
