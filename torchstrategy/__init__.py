@@ -46,9 +46,11 @@ from torchstrategy.parameter_server import ClusterCoordinator, ParameterServerSt
 
 __version__ = "0.1.0"
 
+# ts.LightningStrategy and ts.BackupAndRestoreCallback are public too, but resolved lazily
+# (`__getattr__` below) and left out of __all__: `from torchstrategy import *` must not
+# import Lightning, nor fail where it is not installed.
 __all__ = [  # one name a line, sorted: adding a name touches one line
     "BackupAndRestore",
-    "BackupAndRestoreCallback",
     "CentralStorageStrategy",
     "ClusterCoordinator",
     "ClusterResolver",
@@ -61,7 +63,6 @@ __all__ = [  # one name a line, sorted: adding a name touches one line
     "HierarchicalCopyAllReduce",
     "InputContext",
     "InputOptions",
-    "LightningStrategy",
     "Mirrored",
     "MirroredStrategy",
     "MirroredVariable",

@@ -62,12 +62,13 @@ class MirroredState:
         """True for a recorded parameter (or trainable variable tensor)."""
         return id(tensor) in self._param_ids
 
-    def add_parameter(self, param):
+    def add_parameter(self, param, label="parameter"):
+        """Records `param`; `label` names it in errors (e.g. "Linear.weight")."""
         if id(param) in self._param_ids:
             return
         self._param_ids.add(id(param))
         self._params.append(param)
-        self._pending.append(lambda p=param: p)
+        self._pending.append((label, lambda p=param: p))
 
     def add_buffer(self, module, name):
         key = (id(module), name)
@@ -76,15 +77,16 @@ class MirroredState:
         self._buffer_keys.add(key)
         ref = weakref.ref(module)
         self._buffer_refs.append((ref, name))
-        self._pending.append(lambda r=ref, n=name: None if r() is None
-                             else _compat.module_buffer(r(), n))
+        self._pending.append((f"{type(module).__name__}.{name} (buffer)",
+                              lambda r=ref, n=name: None if r() is None
+                              else _compat.module_buffer(r(), n)))
 
-    def add_tensor(self, tensor, trainable):
+    def add_tensor(self, tensor, trainable, label="variable"):
         """A variable's tensor: broadcast like the rest; trainable ones get gradient sync."""
         if trainable:
-            self.add_parameter(tensor)
+            self.add_parameter(tensor, label)
         else:
-            self._pending.append(lambda t=tensor: t)
+            self._pending.append((label, lambda t=tensor: t))
 
     @property
     def parameters(self):
@@ -104,13 +106,50 @@ class MirroredState:
     def floating_buffers(self):
         return [b for b in self.buffers() if b.is_floating_point()]
 
-    def take_pending(self):
-        """Returns (and forgets) the tensors registered since the last call."""
+    def take_pending_labelled(self):
+        """Returns (and forgets) the (label, tensor) pairs registered since the last call,
+        in registration order, each tensor once."""
         pending, self._pending = self._pending, []
-        tensors, seen = [], set()
-        for get in pending:
+        out, seen = [], set()
+        for label, get in pending:
             tensor = get()
             if tensor is not None and id(tensor) not in seen:
                 seen.add(id(tensor))
-                tensors.append(tensor)
-        return tensors
+                out.append((label, tensor))
+        return out
+
+    def take_pending(self):
+        """Returns (and forgets) the tensors registered since the last call."""
+        return [tensor for _, tensor in self.take_pending_labelled()]
+
+
+def layout_of(labelled):
+    """What must agree between replicas about mirrored tensors: (label, shape, dtype) of
+    each, in registration order."""
+    return [(label, tuple(t.shape), str(t.dtype).replace("torch.", "")) for label, t in labelled]
+
+
+def check_same_layout(layouts):
+    """Raises if the replicas' mirrored tensors differ (`layouts[r]` is replica r's
+    `layout_of`): broadcasting replica 0's values onto different tensors would abort the
+    process or, with equal element counts, silently reinterpret them.
+
+    Raises:
+      ValueError: naming the first difference, its position, and the replicas.
+    """
+    reference = layouts[0]
+    for rank, layout in enumerate(layouts[1:], 1):
+        if layout == reference:
+            continue
+        for index, (mine, theirs) in enumerate(zip(reference, layout)):
+            if mine != theirs:
+                raise ValueError(
+                    f"Replicas built different mirrored tensors: tensor {index} is "
+                    f"{mine[0]} {list(mine[1])} {mine[2]} on replica 0 but {theirs[0]} "
+                    f"{list(theirs[1])} {theirs[2]} on replica {rank}. Every replica must "
+                    "create the same modules in the same order inside strategy.scope() "
+                    "(build the model from arguments that do not depend on the replica).")
+        raise ValueError(
+            f"Replicas built different numbers of mirrored tensors inside strategy.scope(): "
+            f"{len(reference)} on replica 0, {len(layout)} on replica {rank}. Every replica "
+            "must create the same modules in the same order.")

@@ -238,6 +238,15 @@ class Communicator:
                                        else None)
         return box[0]
 
+    def gather_objects(self, obj):
+        """Every replica's `obj` (small, picklable), as a list in replica order."""
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size
+        with self._explained("all_gather"):
+            dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     # -- all-gather -------------------------------------------------------------------
     def all_gather(self, tensors, axis, options=None):
         """Concatenates each tensor from every replica along `axis`, in replica order.

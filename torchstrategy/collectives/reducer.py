@@ -37,10 +37,11 @@ new gradients are summed: two synchronised ``backward()`` calls without ``zero_g
 give ``g1_sum + g2_sum``, never N times the first. Under ``no_sync()`` gradients accumulate
 locally; the next synchronised backward sums everything accumulated since.
 
-The hot path is C++ (``csrc/reducer.cpp``, ``torchstrategy._C.Reducer``): the hooks,
-the bookkeeping, the launches through the c10d process group (or through a Python
-`CrossDeviceOps`' ``all_reduce_async`` when the strategy uses another algorithm) and the
-settling of gradients; Python runs once per backward, to explain collective failures.
+The hot path is C++ (``csrc/reducer.cpp``, the bucket layout in ``csrc/bucket_layout.cpp``;
+``torchstrategy._C.Reducer``): the hooks, the bookkeeping, the launches through the c10d
+process group (or through a Python `CrossDeviceOps`' ``all_reduce_async`` when the strategy
+uses another algorithm) and the settling of gradients; Python runs once per backward, to
+explain collective failures.
 
 Because gradients are views, a ``.grad`` tensor kept from one step is overwritten by the
 next step's gradients (as with DDP's ``gradient_as_bucket_view``): clone it to keep it.

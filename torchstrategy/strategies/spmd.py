@@ -181,22 +181,34 @@ class SPMDExtended(StrategyExtended):
         return contextlib.nullcontext()
 
     def record_parameter(self, module, name, param):
-        self._mirrored.add_parameter(param)
+        self._mirrored.add_parameter(param, f"{type(module).__name__}.{name}")
 
     def record_buffer(self, module, name):
         self._mirrored.add_buffer(module, name)
 
     def record_variable(self, variable):
-        self._mirrored.add_tensor(variable.tensor, variable.trainable)
+        self._mirrored.add_tensor(variable.tensor, variable.trainable,
+                                  f"Variable {variable.name!r}")
 
     def synchronize_mirrored_state(self):
         """Broadcasts tensors recorded since the last call from replica 0 and gives new
         parameters to the gradient reducer. Every replica calls this at the same points
-        (scope exit, the start of ``run``), so it is a collective only when needed."""
-        pending = self._mirrored.take_pending()
-        if not pending:
+        (scope exit, the start of ``run``), so it is a collective only when needed.
+
+        Before anything is broadcast, the replicas compare names, shapes and dtypes of
+        what they recorded (as DDP verifies its parameters).
+
+        Raises:
+          ValueError: replicas that recorded different tensors, naming the first
+            difference and the replicas.
+        """
+        labelled = self._mirrored.take_pending_labelled()
+        if not labelled:
             return
+        pending = [tensor for _, tensor in labelled]
         if self._comm.world_size > 1:
+            mirroring.check_same_layout(
+                self._comm.gather_objects(mirroring.layout_of(labelled)))
             with torch.no_grad():
                 self._comm.broadcast_(pending, src=0)
         if self._reducer is not None:
