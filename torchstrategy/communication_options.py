@@ -66,3 +66,23 @@ class CommunicationOptions:
                 f"timeout_seconds={self.timeout_seconds}, "
                 f"implementation={self.implementation.name}"
                 + (f", compression={self.compression!r})" if self.compression else ")"))
+
+
+def require_default_options(options, refusal):
+    """Accepts only ``options=None`` or a `CommunicationOptions` left at its defaults (it
+    asks for nothing); for anything else raises ``ValueError(refusal(options))``, where the
+    strategy says why it cannot honour it and what to do instead.
+
+    Raises:
+      TypeError: `options` is neither None nor a `CommunicationOptions`.
+      ValueError: a non-default value.
+    """
+    if options is None:
+        return
+    if not isinstance(options, CommunicationOptions):
+        raise TypeError(f"options must be a ts.CommunicationOptions (or None), got "
+                        f"{options!r}.")
+    if options.bytes_per_pack or options.timeout_seconds is not None or \
+            options.compression is not None or \
+            options.implementation is not CommunicationImplementation.AUTO:
+        raise ValueError(refusal(options))

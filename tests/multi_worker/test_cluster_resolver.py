@@ -26,7 +26,8 @@ def test_cluster_spec_dense_and_sparse():
 @pytest.mark.parametrize("cluster, message", [
     ({"worker": "a:1"}, "tasks are a list of addresses"),
     ({"worker": ["a"]}, "Job 'worker', task 0: Task address 'a' is not of the form"),
-    ({"worker": ["a:99999"]}, "is not of the form 'host:port'"),
+    # Issue 19: an out-of-range port is named as such, not as a malformed address.
+    ({"worker": ["a:99999"]}, "port 99999 is out of range"),
     ([("worker", "a:1")], "is a dict of job name"),
 ])
 def test_cluster_spec_rejects_malformed(cluster, message):

@@ -15,8 +15,7 @@ from torchstrategy import context, mirroring, nest, values
 from torchstrategy.aggregation import VariableAggregation
 from torchstrategy.collectives.communicator import Communicator
 from torchstrategy.collectives.cross_device_ops import NcclAllReduce
-from torchstrategy.communication_options import (CommunicationImplementation,
-                                                  CommunicationOptions)
+from torchstrategy.communication_options import require_default_options
 from torchstrategy.devices import default_local_devices, parse_device, parse_devices
 from torchstrategy.input.contexts import ValueContext
 from torchstrategy.input.per_host import PerHostDataset, PerHostDatasetsFromFunction
@@ -424,22 +423,12 @@ def _on_cuda_device(device):
 
 def _refuse_options(options, what):
     """Collectives among threads of one process have no packs, no implementation to choose
-    and no timeout other than the strategy's: only ``options=None`` (or a
-    `CommunicationOptions` left at its defaults) is accepted."""
-    if options is None:
-        return
-    if not isinstance(options, CommunicationOptions):
-        raise TypeError(f"options must be a ts.CommunicationOptions (or None), got "
-                        f"{options!r}.")
-    if options.bytes_per_pack or options.timeout_seconds is not None or \
-            options.compression is not None or \
-            options.implementation is not CommunicationImplementation.AUTO:
-        raise ValueError(
-            f"CentralStorageStrategy cannot honour {options!r} in {what}: its replicas are "
-            "threads of one process that combine their values in memory, so there is no "
-            "pack size, implementation or compression to choose. Pass options=None; bound "
-            "every synchronisation with CentralStorageStrategy(timeout_seconds=...).")
-
+    and no timeout other than the strategy's: only default options are accepted."""
+    require_default_options(options, lambda o: (
+        f"CentralStorageStrategy cannot honour {o!r} in {what}: its replicas are "
+        "threads of one process that combine their values in memory, so there is no "
+        "pack size, implementation or compression to choose. Pass options=None; bound "
+        "every synchronisation with CentralStorageStrategy(timeout_seconds=...)."))
 
 def _choose_devices(compute_devices, parameter_device):
     compute = parse_devices(compute_devices) if compute_devices is not None \

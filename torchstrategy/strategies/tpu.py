@@ -27,8 +27,7 @@ from torchstrategy import _compat, context, mirroring, nest, runtime, values
 from torchstrategy.cluster_resolver.tpu import TPUClusterResolver
 from torchstrategy.collectives.communicator import Communicator
 from torchstrategy.collectives.cross_device_ops import NcclAllReduce
-from torchstrategy.communication_options import (CommunicationImplementation,
-                                                  CommunicationOptions)
+from torchstrategy.communication_options import require_default_options
 from torchstrategy.input.contexts import ValueContext
 from torchstrategy.launch import world as world_lib
 from torchstrategy.reduce_op import ReduceOp, as_reduce_op
@@ -414,20 +413,11 @@ class TPUExtended(StrategyExtended):
 
 def _refuse_options(options, what):
     """The devices' collectives are inside the XLA program (XLA chooses how they travel):
-    only ``options=None`` (or a `CommunicationOptions` left at its defaults) is accepted."""
-    if options is None:
-        return
-    if not isinstance(options, CommunicationOptions):
-        raise TypeError(f"options must be a ts.CommunicationOptions (or None), got "
-                        f"{options!r}.")
-    if options.bytes_per_pack or options.timeout_seconds is not None or \
-            options.compression is not None or \
-            options.implementation is not CommunicationImplementation.AUTO:
-        raise ValueError(
-            f"TPUStrategy cannot honour {options!r} in {what}: the cross-device sums are "
-            "compiled into the XLA program, which decides how they travel, and inside run "
-            "tensors are already global. Pass options=None.")
-
+    only default options are accepted."""
+    require_default_options(options, lambda o: (
+        f"TPUStrategy cannot honour {o!r} in {what}: the cross-device sums are "
+        "compiled into the XLA program, which decides how they travel, and inside run "
+        "tensors are already global. Pass options=None."))
 
 def _check_mean(op, tensor):
     if op is ReduceOp.MEAN and not (tensor.is_floating_point() or tensor.is_complex()):
