@@ -43,14 +43,15 @@ from torchstrategy.variables import (MirroredVariable, SyncOnReadVariable, Varia
 from torchstrategy import values
 from torchstrategy import parameter_server
 from torchstrategy.parameter_server import ClusterCoordinator, ParameterServerStrategy, Server
+# Lightning-free bases: constructing one imports Lightning (`torchstrategy.lightning`).
+from torchstrategy.lightning_base.adapter import LightningStrategy
+from torchstrategy.lightning_base.backup import BackupAndRestoreCallback
 
 __version__ = "0.1.0"
 
-# ts.LightningStrategy and ts.BackupAndRestoreCallback are public too, but resolved lazily
-# (`__getattr__` below) and left out of __all__: `from torchstrategy import *` must not
-# import Lightning, nor fail where it is not installed.
 __all__ = [  # one name a line, sorted: adding a name touches one line
     "BackupAndRestore",
+    "BackupAndRestoreCallback",
     "CentralStorageStrategy",
     "ClusterCoordinator",
     "ClusterResolver",
@@ -63,6 +64,7 @@ __all__ = [  # one name a line, sorted: adding a name touches one line
     "HierarchicalCopyAllReduce",
     "InputContext",
     "InputOptions",
+    "LightningStrategy",
     "Mirrored",
     "MirroredStrategy",
     "MirroredVariable",
@@ -102,13 +104,3 @@ __all__ = [  # one name a line, sorted: adding a name touches one line
     "values",
 ]
 
-
-def __getattr__(name):
-    """``ts.LightningStrategy`` and ``ts.BackupAndRestoreCallback``: importing
-    `torchstrategy.lightning` imports Lightning (and registers our strategy names in it),
-    so it happens when one of them is first asked for, never at ``import torchstrategy``."""
-    if name in ("LightningStrategy", "BackupAndRestoreCallback"):
-        # Optional dependency: Lightning is imported only when one of these is used.
-        from torchstrategy import lightning
-        return getattr(lightning, name)
-    raise AttributeError(f"module 'torchstrategy' has no attribute {name!r}")

@@ -165,6 +165,6 @@ def lightning_restore_from_checkpoint(trainer, path):
     """Starts Lightning's resume (what ``fit(ckpt_path=path)`` does) from a callback's
     ``setup``, where the path is first known: loads the checkpoint and restores model and
     callbacks; the Trainer then restores loops, optimizers and schedulers from it. The
-    checkpoint connector is private in every release. weights_only=False: the backup holds
-    NumPy's generator state, and it is the job's own file."""
-    trainer._checkpoint_connector._restore_modules_and_callbacks(path, weights_only=False)
+    checkpoint connector is private in every release. ``weights_only=True``: a backup holds
+    tensors and plain values only (RNG states included), so a planted pickle runs nothing."""
+    trainer._checkpoint_connector._restore_modules_and_callbacks(path, weights_only=True)

@@ -37,14 +37,15 @@ LAYERS = {
     "torchstrategy.strategies.default": 6,
     "torchstrategy.strategies": 7, "torchstrategy.checkpoint": 7,
     "torchstrategy.backup_and_restore": 7, "torchstrategy.lightning": 7,
+    "torchstrategy.lightning_base": 7,
     "torchstrategy.parameter_server": 7, "torchstrategy.xla": 7, "torchstrategy.server": 7,
     "torchstrategy.fault_tolerance": 7,
     "torchstrategy": 8,  # the package's __init__: re-exports everything
 }
 
 # Imports allowed inside a function: optional dependencies only, never to dodge a cycle.
-OPTIONAL = ("lightning", "pytorch_lightning", "torch_xla", "torchstrategy.lightning",
-            "ray", "importlib", "cloudpickle", "numpy")
+OPTIONAL = ("lightning", "pytorch_lightning", "torch_xla", "ray", "importlib", "cloudpickle",
+            "numpy")
 
 PRIVATE_APIS = ("_pytree", "_get_default_group", "_get_default_store", "._use_count(",
                 "._buffers", "_opt_called", "_XLAC", "_MultiProcessingLauncher",

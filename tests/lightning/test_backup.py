@@ -95,3 +95,32 @@ def test_is_a_callback_of_either_package(package):
     assert isinstance(callback, importlib.import_module(f"{package}.callbacks").Callback)
     assert isinstance(callback, BackupAndRestoreCallback)
     assert callback.path == os.path.abspath(os.path.join("backup", "backup.ckpt"))
+
+
+class _Planted:
+    """Unpickling this creates a file: what an attacker's backup.ckpt would do."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_planted_backup_runs_nothing(tmp_path):
+    """The callback resumes through Lightning's loader with weights_only=True (issue 19)."""
+    backup_dir = tmp_path / "backup"
+    backup_dir.mkdir()
+    marker = tmp_path / "pwned"
+    torch.save({"global_step": 4, "planted": _Planted(str(marker))}, backup_dir / "backup.ckpt")
+    result = _run(tmp_path, "--save-freq", "4")
+    assert result.returncode != 0
+    assert "weights_only" in result.stderr or "Unpickling" in result.stderr, \
+        result.stderr[-3000:]
+    assert not marker.exists(), "resuming from the backup ran the planted code"
+
+
+def test_a_backup_loads_as_plain_tensors_and_values(uninterrupted):
+    backup = torch.load(os.path.join(uninterrupted, "backup", "backup.ckpt"),
+                        weights_only=True)
+    assert backup["global_step"] == 12

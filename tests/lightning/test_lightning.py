@@ -162,7 +162,7 @@ def test_registered_names_do_not_collide_with_lightnings_own():
     from lightning.pytorch.strategies import StrategyRegistry
 
     import torchstrategy.lightning.lightning_pytorch  # noqa: F401  registers the names
-    from torchstrategy.lightning import registration
+    from torchstrategy.lightning_base import registration
 
     names = registration.registered_names("lightning.pytorch")
     assert {"mirrored", "mirrored_notebook", "one_device"} <= set(names)

@@ -2,9 +2,9 @@
 
     import lightning.pytorch as pl            # or: import pytorch_lightning as pl
     import torchstrategy as ts
-    from torchstrategy.lightning import LightningStrategy   # registers the names below
+    import torchstrategy.lightning                  # registers the names below
 
-    trainer = pl.Trainer(strategy=LightningStrategy(ts.MirroredStrategy(["cpu:0", "cpu:1"])))
+    trainer = pl.Trainer(strategy=ts.LightningStrategy(ts.MirroredStrategy(["cpu:0", "cpu:1"])))
     trainer = pl.Trainer(strategy="mirrored", accelerator="cpu", devices=2)   # the same
 
 Lightning's semantics hold, so a LightningModule trains exactly as under
@@ -19,16 +19,17 @@ in use is the one already imported (``lightning.pytorch`` first if both are: nam
 registered in every one already imported), else the one installed (``lightning.pytorch``
 first). ``LightningStrategy(...)`` and ``BackupAndRestoreCallback(...)`` build that
 package's classes (``package=`` picks the other), defined at module level in
-`torchstrategy.lightning.lightning_pytorch` and `.pytorch_lightning`, which subclass them:
+`torchstrategy.lightning.lightning_pytorch` and `.pytorch_lightning`, which subclass the
+Lightning-free bases of `torchstrategy.lightning_base`:
 ``isinstance(s, LightningStrategy)`` holds for either package. Importing one of those two
 modules registers the names in its package explicitly.
 """
 import importlib
 
-from torchstrategy.lightning.adapter import (MODULES, LightningStrategy, packages_in_use,
-                                             strategy_class)
-from torchstrategy.lightning.backup import BackupAndRestoreCallback, callback_class
-from torchstrategy.lightning.registration import registered_names
+from torchstrategy.lightning_base.adapter import (MODULES, LightningStrategy,
+                                                  packages_in_use, strategy_class)
+from torchstrategy.lightning_base.backup import BackupAndRestoreCallback, callback_class
+from torchstrategy.lightning_base.registration import registered_names
 
 # Importing a package's module defines its classes and registers our names in its
 # StrategyRegistry.

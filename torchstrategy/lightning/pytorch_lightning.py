@@ -11,7 +11,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utilities_rank_zero_only
 
-from torchstrategy.lightning import adapter, backup
+from torchstrategy.lightning_base import adapter, backup
 
 PACKAGE = adapter.LightningPackage(
     name="pytorch_lightning", trainer=pl.Trainer, fitting=TrainerFn.FITTING,

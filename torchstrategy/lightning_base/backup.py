@@ -20,7 +20,7 @@ import os
 
 from torchstrategy import _compat
 from torchstrategy import backup_and_restore as _backup
-from torchstrategy.lightning import adapter
+from torchstrategy.lightning_base import adapter
 
 _FILE = "backup.ckpt"
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from torchstrategy import _compat, context, runtime
 from torchstrategy.collectives.communicator import Communicator
-from torchstrategy.lightning import registration
+from torchstrategy.lightning_base import registration
 from torchstrategy.reduce_op import ReduceOp
 from torchstrategy.replica_context import ReplicaContext
 from torchstrategy.strategies.base import Strategy
