@@ -60,7 +60,7 @@ def _broadcast_from_chief(obj):
     return box[0]
 
 
-def _gather_to_chief(obj):
+def gather_to_chief(obj):
     """Every replica's `obj` on the chief (a list in rank order); None elsewhere."""
     if not _distributed():
         return [obj]
@@ -77,7 +77,9 @@ def _barrier():
             dist.barrier()
 
 
-def _rng_state():
+def rng_state():
+    """This process's random generators (torch, CUDA if in use, Python, NumPy if imported)
+    as tensors and plain values, which a backup stores and `set_rng_state` restores."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -90,7 +92,8 @@ def _rng_state():
     return state
 
 
-def _set_rng_state(state):
+def set_rng_state(state):
+    """Restores what `rng_state` returned (None: nothing was recorded)."""
     if state is None:  # not recorded (a backup written before any step ran)
         return
     torch.set_rng_state(state["torch"])
@@ -261,7 +264,7 @@ class BackupAndRestore:
         if len(payload["rng"]) == world:
             rng = payload["rng"][_rank()]
             if self.step == 0:
-                _set_rng_state(rng["now"])
+                set_rng_state(rng["now"])
             else:
                 # Mid-epoch: the interrupted run had set up this epoch's iterator (which
                 # draws random numbers: shuffling, the loader's base seed) and fetched the
@@ -304,11 +307,11 @@ class BackupAndRestore:
                     and hasattr(data, "load_state_dict"):
                 data.load_state_dict(self._pending_datasets[index])
         if self._pending_rng is not None:
-            _set_rng_state(self._pending_rng["epoch_start"])
-        self._epoch_rng = _rng_state()
+            set_rng_state(self._pending_rng["epoch_start"])
+        self._epoch_rng = rng_state()
         iterator = self._positioned_iterator(data, self.epoch, self.step)
         if self._pending_rng is not None:
-            _set_rng_state(self._pending_rng["now"])
+            set_rng_state(self._pending_rng["now"])
             self._pending_rng = None
         for step, batch in enumerate(iterator, self.step):
             self.step = step
@@ -336,7 +339,7 @@ class BackupAndRestore:
     def save(self):
         """Backs up the tracked objects and the position now (every replica calls it; the
         chief writes). `epochs` and `steps` call it per `save_freq`."""
-        rng = _gather_to_chief({"now": _rng_state(), "epoch_start": self._epoch_rng})
+        rng = gather_to_chief({"now": rng_state(), "epoch_start": self._epoch_rng})
         error = None
         if _rank() == 0:
             try:

@@ -51,8 +51,6 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
             global_batch_size = float(replica.all_reduce(ReduceOp.SUM, count).item())
         else:
             global_batch_size = local * _num_replicas()
-    if isinstance(global_batch_size, torch.Tensor):
-        global_batch_size = global_batch_size.item()
     if global_batch_size <= 0:
         if per_example_loss.numel() == 0:
             return per_example_loss.sum()
@@ -61,7 +59,8 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
 
 
 def _checked_batch_size(value):
-    """`value` as a number of examples, or a ValueError naming it and the fix."""
+    """`value` as a Python number of examples, or a ValueError naming it and the fix. A
+    one-element tensor is read once, here (the division needs its value anyway)."""
     number = value
     if isinstance(value, torch.Tensor) and value.numel() == 1 and \
             not value.dtype.is_complex and value.dtype != torch.bool:

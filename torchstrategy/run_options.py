@@ -27,6 +27,9 @@ class RunOptions:
     experimental_replicate_to_logical_devices: bool = True
 
 
+DEFAULT_RUN_OPTIONS = RunOptions()  # frozen: shared by every run without options
+
+
 def check_run_options(options, strategy_name, accepts_xla_options=False):
     """Returns `options` (a `RunOptions`, None meaning the defaults) after refusing every
     value `strategy_name` cannot honour.
@@ -36,7 +39,7 @@ def check_run_options(options, strategy_name, accepts_xla_options=False):
       ValueError: a value that is not supported, naming it and what to do instead.
     """
     if options is None:
-        return RunOptions()
+        return DEFAULT_RUN_OPTIONS
     if not isinstance(options, RunOptions):
         raise TypeError(f"options must be a ts.RunOptions (or None), got {options!r}.")
     if not options.experimental_enable_dynamic_batch_size:

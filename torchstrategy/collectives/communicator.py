@@ -27,12 +27,6 @@ class CollectiveError(RuntimeError):
     collectives. Raised instead of waiting forever."""
 
 
-def hold(*buffers):
-    """Keeps `buffers` referenced until no collective uses them any more (the runtime owns
-    them: see `torchstrategy.runtime.Runtime.hold`)."""
-    runtime.current().hold(*buffers)
-
-
 @contextlib.contextmanager
 def explained_failures(what, rank, diagnose=None):
     """Re-raises a backend failure inside the block as a `CollectiveError` that says what
@@ -110,6 +104,9 @@ class Communicator:
     """
 
     def __init__(self, group, rank, world_size, device, cross_device_ops, diagnose=None):
+        # Buffers handed to a backend thread stay referenced until it lets go of them (see
+        # `Runtime.hold`); bound once here, not looked up per collective.
+        self.hold = runtime.current().hold
         self.diagnose = diagnose
         self.group = group
         self.rank = rank
@@ -195,7 +192,7 @@ class Communicator:
             _ops.pack(flat, members, offsets, numels)
             pending.append((indices, members, offsets, flat,
                             self.cross_device_ops.all_reduce_async(flat, self.group)))
-        hold(*[p[3] for p in pending])
+        self.hold(*[p[3] for p in pending])
         for indices, members, offsets, flat, work in pending:
             with self._explained("all_reduce"):
                 wait_for(work, timeout)
@@ -220,7 +217,7 @@ class Communicator:
                 flat = torch.empty(total, dtype=dtype, device=self.device)
                 if self.rank == src:
                     _ops.pack(flat, members, offsets, numels)
-                hold(flat)
+                self.hold(flat)
                 with self._explained("broadcast"):
                     dist.broadcast(flat, src=src, group=self.group)
                 if self.rank != src:
@@ -299,7 +296,7 @@ class Communicator:
             flat = torch.zeros(longest, dtype=dtype, device=self.device)
             _ops.pack(flat, members, offsets, numels)
             gathered = [torch.empty_like(flat) for _ in range(self.world_size)]
-            hold(flat, *gathered)
+            self.hold(flat, *gathered)
             with self._explained("all_gather"):
                 wait_for(dist.all_gather(gathered, flat, group=self.group, async_op=True),
                          timeout)
@@ -317,7 +314,7 @@ class Communicator:
         row = row.to(self.device)
         out = [torch.empty(width, dtype=row.dtype, device=self.device)
                for _ in range(self.world_size)]
-        hold(row, *out)
+        self.hold(row, *out)
         with self._explained("all_gather"):
             dist.all_gather(out, row, group=self.group)
         return torch.stack(out).cpu()

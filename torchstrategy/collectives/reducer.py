@@ -52,7 +52,7 @@ import weakref
 import torch
 
 from torchstrategy import _compat, _ops, runtime
-from torchstrategy.collectives.communicator import explained_failures, hold
+from torchstrategy.collectives.communicator import explained_failures
 from torchstrategy.collectives.cross_device_ops import NcclAllReduce
 from torchstrategy.collectives.stats import ReductionStats
 
@@ -102,7 +102,7 @@ class GradientReducer:
         make = lambda process_group: _ops.make_reducer(
             int(bucket_cap_bytes), int(first_bucket_bytes), communicator.world_size,
             self._compression or "", process_group, cross_device_ops, communicator.group,
-            hold, finalize)
+            communicator.hold, finalize)
         process_group = _process_group_for_cpp(cross_device_ops, communicator.group)
         try:
             self._core = make(process_group)

@@ -10,7 +10,6 @@ set, then supervises them:
 - children never outlive replica 0 (PR_SET_PDEATHSIG on Linux, and a watchdog thread).
 """
 import ctypes
-import logging
 import os
 import signal
 import socket
@@ -18,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 import _thread
 import datetime
 
@@ -26,7 +26,6 @@ import torch.distributed as dist
 
 from torchstrategy.launch import world as world_lib
 
-logger = logging.getLogger("torchstrategy")
 
 _POLL_SECONDS = 0.1
 _TERMINATE_GRACE_SECONDS = 5.0
@@ -58,8 +57,10 @@ def reexec_command():
     return [sys.executable] + argv[1:]
 
 
-def _die_with_parent():
-    """preexec_fn: the child gets SIGKILL if replica 0 dies (Linux)."""
+def set_parent_death_signal():
+    """This process gets SIGKILL when its parent dies (Linux's PR_SET_PDEATHSIG; nothing
+    elsewhere). Used as a ``preexec_fn``: re-executed replicas die with replica 0, local
+    parameter-server tasks with their chief."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -76,7 +77,7 @@ def die_with_parent(launcher_pid):
     while replicas hold its liveness pipe, so a thread also watches the launcher itself. A
     launcher that died before this ran (the race PR_SET_PDEATHSIG leaves) ends us now.
     """
-    _die_with_parent()
+    set_parent_death_signal()
     started = _start_time(launcher_pid)
     if started is None:
         os._exit(1)
@@ -132,9 +133,11 @@ def listening_store(host, world_size, timeout, port=0):
             if error.errno != 99:  # EADDRNOTAVAIL: not an address of this machine
                 raise OSError(error.errno, f"The rendezvous store cannot listen on "
                               f"{host}:{port}: {error.strerror}.") from None
-            logger.warning(f"{host} is not an address of this machine; the rendezvous store "
-                           f"listens on port {port} of every interface. Make sure only the "
-                           "cluster's machines can reach it.")
+            # A warning, not a log record: the library configures no logging, and the user
+            # must act on this one.
+            warnings.warn(f"{host} is not an address of this machine; the rendezvous store "
+                          f"listens on port {port} of every interface. Make sure only the "
+                          "cluster's machines can reach it.", RuntimeWarning, stacklevel=2)
             sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", port))
         sock.listen(512)
         store = dist.TCPStore(host, sock.getsockname()[1], world_size, is_master=True,
@@ -329,7 +332,7 @@ def start_local_replicas(num_replicas, timeout_seconds, *, node_rank=0, num_node
                                                  timeout_seconds, node_rank=node_rank,
                                                  num_nodes=num_nodes, master_addr=master_addr))
         env.setdefault("OMP_NUM_THREADS", str(threads))
-        children[rank] = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)
+        children[rank] = subprocess.Popen(command, env=env, preexec_fn=set_parent_death_signal)
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(threads)
     supervisor = Supervisor(children) if children else None

@@ -99,7 +99,7 @@ class BackupAndRestoreCallback:
         # A backup from the middle of an epoch: applied just before the next step, so
         # the step draws the numbers the interrupted run would have drawn.
         if self._rng_to_apply is not None:
-            _backup._set_rng_state(self._rng_to_apply)
+            _backup.set_rng_state(self._rng_to_apply)
             self._rng_to_apply = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -136,7 +136,7 @@ class BackupAndRestoreCallback:
         # Called on every replica while a checkpoint is made; gathers every
         # replica's generators (the chief writes them all).
         trainer = self._trainer
-        return {"rng": _backup._gather_to_chief(_backup._rng_state()),
+        return {"rng": _backup.gather_to_chief(_backup.rng_state()),
                 "at_epoch_end": self._at_epoch_end,
                 "global_step": trainer.global_step if trainer is not None else 0}
 
@@ -151,7 +151,7 @@ class BackupAndRestoreCallback:
         if state_dict["at_epoch_end"]:
             # Applied now, before the Trainer makes the next epoch's data iterator
             # (which draws a seed), as the uninterrupted run did after the backup.
-            _backup._set_rng_state(rng[rank])
+            _backup.set_rng_state(rng[rank])
         else:
             self._rng_to_apply = rng[rank]
         self._restored_global_step = state_dict["global_step"]
