@@ -218,6 +218,37 @@ def test_merge_call_runs_once_with_per_replica_arguments():
     assert [v.item() for v in out.values] == [3.0, 3.0]
 
 
+@pytest.mark.timeout(60)
+def test_merge_fn_runs_in_cross_replica_context_without_a_second_rendezvous():
+    # merge_fn runs once, in cross-replica context: a variable update, a barrier or an
+    # optimizer step there is local, not a rendezvous nested inside merge_call's (which
+    # would wait for replicas that are all waiting in merge_call, and time out).
+    strategy = cpu_strategy(2, timeout_seconds=5)
+    with strategy.scope():
+        total = ts.Variable(0.0, aggregation=ts.VariableAggregation.SUM, trainable=False)
+        model = nn.Linear(2, 1, bias=False)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = model.weight.detach().clone()
+
+    def merge_fn(strategy_, value):
+        assert ts.get_replica_context() is None
+        total.assign(strategy_.reduce("SUM", value, axis=None))
+        strategy_.extended.communicator.barrier()
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        return total.read_value()
+
+    def fn():
+        rid = ts.get_replica_context().replica_id_in_sync_group
+        return ts.get_replica_context().merge_call(merge_fn, args=(torch.tensor(rid + 1.0),))
+
+    out = strategy.run(fn)
+    assert [v.item() for v in out.values] == [3.0, 3.0]
+    assert total.read_value().item() == 3.0
+    torch.testing.assert_close(model.weight.detach(), before - 1.0)
+
+
 def test_error_in_one_replica_propagates_without_deadlock():
     strategy = cpu_strategy(2, timeout_seconds=60)
     with strategy.scope():

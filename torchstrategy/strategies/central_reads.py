@@ -30,34 +30,31 @@ a single device would hold after ``backward()`` on the global batch.
 """
 import contextlib
 import functools
-import threading
 
 import torch
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 from torch.overrides import TorchFunctionMode
 
-from torchstrategy import _compat, runtime
+from torchstrategy import _compat, context, runtime
 
 # The functions torch passes to a mode for ``t.grad`` and ``t.grad = g`` (method-wrappers:
 # a new object at every access, so they are compared with ==).
 _GRAD_GET = torch.Tensor.grad.__get__
 _GRAD_SET = torch.Tensor.grad.__set__
 
-# Keys of this module's per-process state in `torchstrategy.runtime` (torch's optimizer
-# hooks are process-wide, so which replica a thread runs is process-wide state too).
-_REPLICA_THREADS = "central_storage/replica-of-thread"
+# Key of the process-wide optimizer hooks in `torchstrategy.runtime`.
 _OPTIMIZER_HOOKS = "central_storage/optimizer-step-hooks"
 
 
-def _threads():
-    """This process's thread-local record of the replica each thread runs."""
-    return runtime.current().state(_REPLICA_THREADS, threading.local)
-
-
 def current_replica():
-    """The `ReplicaReads` of the replica this thread runs, or None outside replica threads."""
-    return getattr(_threads(), "replica", None)
+    """The `ReplicaReads` of the replica context this thread is in, or None: outside
+    replica threads, and in cross-replica context inside one (``merge_call``'s merge_fn,
+    a ``scope()``), where operations are local to the process.
+
+    Which replica a thread runs is `torchstrategy.context`'s record, nowhere else: the
+    replica context of a run carries its reads (``reads``)."""
+    return getattr(context.get_replica_context(), "reads", None)
 
 
 def central_view():
@@ -107,14 +104,6 @@ class ReplicaReads(TorchFunctionMode):
             return func(*args)
         args, kwargs = _compat.tree_map_only(torch.Tensor, self._read, (args, kwargs))
         return func(*args, **kwargs)
-
-    def __enter__(self):
-        _threads().replica = self
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        _threads().replica = None
-        return super().__exit__(*exc)
 
 
 class _Counter:

@@ -140,20 +140,29 @@ class _ThreadCommunicator:
 
 class _CentralReplicaContext(ReplicaContext):
     """A replica's context: `all_reduce` / `all_gather` meet the other replica threads;
-    `merge_call` runs `merge_fn` once for all replicas, as in TensorFlow."""
+    `merge_call` runs `merge_fn` once for all replicas, as in TensorFlow.
+
+    Attributes:
+      reads: the replica's `central_reads.ReplicaReads` (what
+        `central_reads.current_replica` returns while this context is the current one).
+    """
+
+    def __init__(self, strategy, replica_id, device, reads):
+        super().__init__(strategy, replica_id, device)
+        self.reads = reads
 
     def merge_call(self, merge_fn, args=(), kwargs=None):
         """Calls ``merge_fn(strategy, *args, **kwargs)`` once, in cross-replica context,
         with every replica's arguments as `PerReplica` values; each replica gets the result
         (its own component of distributed values in it)."""
         kwargs = kwargs or {}
-        replica = central_reads.current_replica()
+        replica = self.reads
         ids = tuple(range(self.num_replicas_in_sync))
 
         def merge(contributions):
             per_replica_args = values.wrap([c[0] for c in contributions], ids)
             per_replica_kwargs = values.wrap([c[1] for c in contributions], ids)
-            with central_reads.central_view(), context.enter(self._strategy, None):
+            with replica.suspended(), context.enter(self._strategy, None):
                 return merge_fn(self._strategy, *per_replica_args, **per_replica_kwargs)
 
         result = replica.session.group.rendezvous(self._replica_id, "merge_call",
@@ -242,7 +251,8 @@ class CentralStorageExtended(StrategyExtended):
         session.strategy = self._container
 
         def replica_fn(r):
-            replica = _CentralReplicaContext(self._container, r, devices[r])
+            replica = _CentralReplicaContext(self._container, r, devices[r],
+                                             session.replicas[r])
             with context.enter(self._container, replica), _on_cuda_device(devices[r]), \
                     session.replicas[r]:
                 return fn(*values.local_component(args, r),
