@@ -153,3 +153,14 @@ def check_same_layout(layouts):
             f"Replicas built different numbers of mirrored tensors inside strategy.scope(): "
             f"{len(reference)} on replica 0, {len(layout)} on replica {rank}. Every replica "
             "must create the same modules in the same order.")
+
+
+def check_replicas_agree(communicator, labelled):
+    """Compares the (label, tensor) pairs this replica recorded (`take_pending_labelled`)
+    with every other process's through `communicator` (a collective: every process calls
+    it at the same point), before anything is broadcast onto them.
+
+    Raises:
+      ValueError: see `check_same_layout`.
+    """
+    check_same_layout(communicator.gather_objects(layout_of(labelled)))

@@ -41,3 +41,26 @@ def tensor_leaves(structure, what):
                             f"{type(leaf).__name__} ({leaf!r:.60}). Pass tensors (or Python "
                             "numbers) only.")
     return out, spec
+
+
+def check_axis(tensor, axis, index):
+    """Refuses an `axis` that is not a dimension of `tensor` (leaf `index` of a structure;
+    a 0-dim tensor has none).
+
+    Raises:
+      ValueError: naming the axis, the leaf and its shape.
+    """
+    if tensor.dim() == 0 or not -tensor.dim() <= axis < tensor.dim():
+        raise ValueError(f"axis {axis} is out of range for leaf {index} of shape "
+                         f"{tuple(tensor.shape)}.")
+
+
+def check_gatherable(tensor, axis, index):
+    """Refuses to gather a 0-dim tensor (leaf `index`) along `axis`.
+
+    Raises:
+      ValueError: saying how to give it a dimension.
+    """
+    if tensor.dim() == 0:
+        raise ValueError(f"Cannot gather a scalar (leaf {index}) along axis {axis}; give it "
+                         "a dimension first, e.g. t.reshape(1).")

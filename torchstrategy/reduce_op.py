@@ -36,3 +36,14 @@ def as_reduce_op(op):
         return ReduceOp[op.upper()]
     raise ValueError(f"Unknown reduce op {op!r}: use ts.ReduceOp.SUM or ts.ReduceOp.MEAN "
                      "(or the strings 'SUM' / 'MEAN').")
+
+
+def check_mean_dtype(op, tensor):
+    """Refuses ``MEAN`` of an integer or bool tensor (floating and complex are fine).
+
+    Raises:
+      ValueError: saying to cast first or use SUM.
+    """
+    if op is ReduceOp.MEAN and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise ValueError(f"ReduceOp.MEAN of integer tensors is ambiguous (this one is "
+                         f"{tensor.dtype}); cast to a floating dtype first, or use SUM.")

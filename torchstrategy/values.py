@@ -84,8 +84,31 @@ def local_component(structure, index=0):
     return nest.map_structure(pick, structure)
 
 
-def local_results(value):
-    """The tuple of local components of `value` (a 1-tuple for a non-distributed value)."""
+def local_results(value, num_local=1, component=None):
+    """The local components of `value`, as a tuple (``experimental_local_results``).
+
+    A distributed value gives its components; a structure holding distributed values gives
+    one structure per local replica (`num_local` of them), each distributed leaf replaced
+    by ``component(leaf, index)`` (default: its `index`-th component, as `local_component`
+    picks it); anything else is the same for every replica: a 1-tuple.
+    """
     if isinstance(value, DistributedValues):
         return value.values
-    return (value,)
+    leaves, _ = nest.flatten(value)
+    if not any(isinstance(leaf, DistributedValues) for leaf in leaves):
+        return (value,)
+    if component is None:
+        return tuple(local_component(value, index) for index in range(num_local))
+    return tuple(nest.map_structure(
+        lambda leaf, index=index: component(leaf, index)
+        if isinstance(leaf, DistributedValues) else leaf, value)
+        for index in range(num_local))
+
+
+def per_replica(parts, kind=PerReplica):
+    """The value of per-replica `parts` (one structure per local replica, replica ids 0,
+    1, ...): the part itself with one replica, else every leaf a `kind` (see `wrap`)."""
+    parts = list(parts)
+    if len(parts) == 1:
+        return parts[0]
+    return wrap(parts, tuple(range(len(parts))), kind)

@@ -33,10 +33,8 @@ class _PerHostInput:
             if isinstance(leaf, torch.Tensor) else leaf, batch)
 
     def _distribute(self, parts):
-        parts = [self._to_device(part, device) for part, device in zip(parts, self._devices)]
-        if len(parts) == 1:
-            return parts[0]
-        return values.wrap(parts, tuple(range(len(parts))))
+        return values.per_replica(self._to_device(part, device)
+                                  for part, device in zip(parts, self._devices))
 
 
 class PerHostDataset(_PerHostInput):

@@ -13,6 +13,8 @@ import contextlib
 import logging
 import threading
 
+import torch
+
 from torchstrategy import context, mirroring
 from torchstrategy.collectives.stats import ReductionStats
 from torchstrategy.run_options import check_run_options
@@ -40,6 +42,9 @@ class StrategyExtended(abc.ABC):
     def __init__(self, container):
         self._container = container
         self._scope_depth = threading.local()
+        # What the scope recorded (the default `record_*` methods below); strategies that
+        # keep their state elsewhere (ParameterServerStrategy) override those methods.
+        self._mirrored = mirroring.MirroredState()
 
     # -- facts ---------------------------------------------------------------------------
     @property
@@ -143,17 +148,21 @@ class StrategyExtended(abc.ABC):
         """A context manager active inside ``scope()`` (e.g. the default device)."""
         return contextlib.nullcontext()
 
-    @abc.abstractmethod
     def record_parameter(self, module, name, param):
-        """Called for every parameter registered on a module inside the scope."""
+        """Called for every parameter registered on a module inside the scope; by default
+        recorded in ``self._mirrored``, labelled ``Module.name`` for error messages."""
+        self._mirrored.add_parameter(param, f"{type(module).__name__}.{name}")
 
-    @abc.abstractmethod
     def record_buffer(self, module, name):
-        """Called for every buffer registered on a module inside the scope."""
+        """Called for every buffer registered on a module inside the scope (by default
+        recorded in ``self._mirrored``)."""
+        self._mirrored.add_buffer(module, name)
 
-    @abc.abstractmethod
     def record_variable(self, variable):
-        """Called for every ``ts.Variable`` created inside the scope."""
+        """Called for every ``ts.Variable`` created inside the scope (by default its tensor
+        is recorded in ``self._mirrored``, as a parameter when trainable)."""
+        self._mirrored.add_tensor(variable.tensor, variable.trainable,
+                                  f"Variable {variable.name!r}")
 
     @abc.abstractmethod
     def synchronize_mirrored_state(self):
@@ -169,9 +178,12 @@ class StrategyExtended(abc.ABC):
     def check_variable(self, variable):
         """Raises if this strategy cannot hold `variable` (called when it is created)."""
 
-    @abc.abstractmethod
     def write_variable(self, variable, new_value):
-        """Writes a variable's (already aggregated) new value into its tensor."""
+        """Writes a variable's (already aggregated) new value into its tensor (by default
+        in place, converted to the tensor's dtype and device)."""
+        tensor = variable.tensor
+        with torch.no_grad():
+            tensor.copy_(torch.as_tensor(new_value, dtype=tensor.dtype, device=tensor.device))
 
     # -- input -------------------------------------------------------------------------
     @abc.abstractmethod

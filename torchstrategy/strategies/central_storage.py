@@ -7,11 +7,9 @@ reading the central parameters (see `central_reads`). Gradients are summed over 
 onto the parameter device when ``backward()`` ends, and ``optimizer.step()`` updates the
 central parameters once.
 """
-import contextlib
-
 import torch
 
-from torchstrategy import context, mirroring, nest, values
+from torchstrategy import context, nest, values
 from torchstrategy.aggregation import VariableAggregation
 from torchstrategy.collectives.communicator import Communicator
 from torchstrategy.collectives.cross_device_ops import NcclAllReduce
@@ -20,12 +18,12 @@ from torchstrategy.devices import default_local_devices, parse_device, parse_dev
 from torchstrategy.input.contexts import ValueContext
 from torchstrategy.input.per_host import PerHostDataset, PerHostDatasetsFromFunction
 from torchstrategy.launch import world as world_lib
-from torchstrategy.reduce_op import ReduceOp, as_reduce_op
+from torchstrategy.reduce_op import ReduceOp, as_reduce_op, check_mean_dtype
 from torchstrategy.replica_context import ReplicaContext
 from torchstrategy.strategies import central_reads
 from torchstrategy.strategies.base import Strategy, StrategyExtended, logger
 from torchstrategy.strategies.replica_threads import ReplicaGroup, run_replicas
-from torchstrategy.strategies.spmd import destination_device
+from torchstrategy.strategies.spmd import destination_device, device_guard, placement_scope
 from torchstrategy.variables import SyncOnReadVariable
 
 
@@ -41,9 +39,7 @@ def _reduce_components(op, components, device):
     """SUM or MEAN of per-replica tensors, added in replica order on `device`."""
     total = _sum_in_order(components, device)
     if op is ReduceOp.MEAN:
-        if not (total.is_floating_point() or total.is_complex()):
-            raise ValueError(f"ReduceOp.MEAN of a {total.dtype} tensor is ambiguous; cast it "
-                             "to a floating dtype first, or use SUM.")
+        check_mean_dtype(op, total)
         total = total / len(components)
     return total
 
@@ -76,11 +72,12 @@ class _ThreadCommunicator:
         replica = self._replica()
         return 1 if replica is None else len(replica.session.replicas)
 
-    def _meet(self, what, value, action):
-        replica = self._replica()
-
+    @staticmethod
+    def _meet(replica, what, value, action):
+        """A rendezvous of `replica` (this thread's `ReplicaReads`) with the others; the
+        action sees the central tensors."""
         def in_central_view(contributions):
-            with central_reads.central_view():
+            with replica.suspended():
                 return action(contributions)
         return replica.session.group.rendezvous(replica.replica_id, what, value,
                                                 action and in_central_view)
@@ -92,7 +89,7 @@ class _ThreadCommunicator:
         replica = self._replica()
         if replica is None:
             return self._alone.all_reduce(tensors, op, inplace)
-        reduced = self._meet("all_reduce", tensors, lambda parts: [
+        reduced = self._meet(replica, "all_reduce", tensors, lambda parts: [
             _reduce_components(op, [p[i] for p in parts], self.device)
             for i in range(len(tensors))])
         results = [r.to(t.device, copy=True).to(t.dtype) for r, t in zip(reduced, tensors)]
@@ -106,22 +103,22 @@ class _ThreadCommunicator:
     def all_gather(self, tensors, axis, options=None):
         _refuse_options(options, "all_gather")
         tensors = list(tensors)
-        if self._replica() is None:
+        replica = self._replica()
+        if replica is None:
             return [t.clone() for t in tensors]
         for index, t in enumerate(tensors):
-            if t.dim() == 0:
-                raise ValueError(f"Cannot gather a scalar (leaf {index}) along axis {axis}; "
-                                 "give it a dimension first, e.g. t.reshape(1).")
-        gathered = self._meet("all_gather", tensors, lambda parts: [
+            nest.check_gatherable(t, axis, index)
+        gathered = self._meet(replica, "all_gather", tensors, lambda parts: [
             torch.cat([p[i].to(self.device) for p in parts], dim=axis)
             for i in range(len(tensors))])
         return [g.to(t.device, copy=True) for g, t in zip(gathered, tensors)]
 
     def broadcast_(self, tensors, src=0):
         tensors = list(tensors)
-        if self._replica() is None:
+        replica = self._replica()
+        if replica is None:
             return tensors
-        source = self._meet("broadcast", tensors, lambda parts: parts[src])
+        source = self._meet(replica, "broadcast", tensors, lambda parts: parts[src])
         with torch.no_grad():
             for t, s in zip(tensors, source):
                 if t is not s:
@@ -129,13 +126,15 @@ class _ThreadCommunicator:
         return tensors
 
     def broadcast_object(self, obj, src=0):
-        if self._replica() is None:
+        replica = self._replica()
+        if replica is None:
             return obj
-        return self._meet("broadcast", obj, lambda parts: parts[src])
+        return self._meet(replica, "broadcast", obj, lambda parts: parts[src])
 
     def barrier(self):
-        if self._replica() is not None:
-            self._meet("barrier", None, None)
+        replica = self._replica()
+        if replica is not None:
+            self._meet(replica, "barrier", None, None)
 
 
 class _CentralReplicaContext(ReplicaContext):
@@ -185,7 +184,6 @@ class CentralStorageExtended(StrategyExtended):
         self._compute_devices = tuple(compute_devices)
         self._parameter_device = parameter_device
         self._timeout = timeout_seconds
-        self._recorded = mirroring.MirroredState()
         self._threads = _ThreadCommunicator(parameter_device)
         # One replica computing where the parameters are needs no thread and no copies.
         self._threaded = len(compute_devices) > 1 or compute_devices[0] != parameter_device
@@ -240,20 +238,20 @@ class CentralStorageExtended(StrategyExtended):
         if not self._threaded:
             device = self._parameter_device
             replica = ReplicaContext(self._container, 0, device)
-            with context.enter(self._container, replica), _on_cuda_device(device):
+            with context.enter(self._container, replica), device_guard(device):
                 return fn(*values.local_component(args), **values.local_component(kwargs))
         devices = self._compute_devices
         n = len(devices)
         group = ReplicaGroup(n, self._timeout)
-        session = central_reads.RunSession(group, self._recorded.parameters,
-                                           self._recorded.buffers(), devices,
+        session = central_reads.RunSession(group, self._mirrored.parameters,
+                                           self._mirrored.buffers(), devices,
                                            self._parameter_device)
         session.strategy = self._container
 
         def replica_fn(r):
             replica = _CentralReplicaContext(self._container, r, devices[r],
                                              session.replicas[r])
-            with context.enter(self._container, replica), _on_cuda_device(devices[r]), \
+            with context.enter(self._container, replica), device_guard(devices[r]), \
                     session.replicas[r]:
                 return fn(*values.local_component(args, r),
                           **values.local_component(kwargs, r))
@@ -263,9 +261,7 @@ class CentralStorageExtended(StrategyExtended):
         finally:
             session.close()
         session.write_back()
-        if n == 1:
-            return results[0]
-        return values.wrap(results, tuple(range(n)))
+        return values.per_replica(results)
 
     # -- cross-replica reductions (one process holds every replica's value) ---------------
     def _components(self, value):
@@ -295,14 +291,10 @@ class CentralStorageExtended(StrategyExtended):
                            if distributed else parts[0])
                 continue
             for t in parts:
-                if t.dim() == 0 or not -t.dim() <= axis < t.dim():
-                    raise ValueError(f"axis {axis} is out of range for leaf {index} of "
-                                     f"shape {tuple(t.shape)}.")
+                nest.check_axis(t, axis, index)
             total = _sum_in_order([t.sum(dim=axis) for t in parts], self._parameter_device)
             if op is ReduceOp.MEAN:
-                if not total.is_floating_point():
-                    raise ValueError("ReduceOp.MEAN of integer tensors is ambiguous; cast to "
-                                     "a floating dtype first, or use SUM.")
+                check_mean_dtype(op, total)
                 total = total / sum(t.shape[axis] for t in parts)
             out.append(total)
         return nest.pack(spec, out)
@@ -314,22 +306,14 @@ class CentralStorageExtended(StrategyExtended):
         out = []
         for index, leaf in enumerate(leaves):
             parts, _ = self._components(leaf)
-            if parts[0].dim() == 0:
-                raise ValueError(f"Cannot gather a scalar (leaf {index}) along axis {axis}; "
-                                 "give it a dimension first, e.g. t.reshape(1).")
+            nest.check_gatherable(parts[0], axis, index)
             out.append(torch.cat(parts, dim=axis))
         return nest.pack(spec, out)
 
     def local_results(self, value):
         """Every replica's component (this process runs them all); a structure gives one
         structure per replica."""
-        if isinstance(value, values.DistributedValues):
-            return value.values
-        leaves, _ = nest.flatten(value)
-        if not any(isinstance(leaf, values.DistributedValues) for leaf in leaves):
-            return (value,)
-        return tuple(values.local_component(value, r)
-                     for r in range(self.num_replicas_in_sync))
+        return values.local_results(value, self.num_replicas_in_sync)
 
     def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
         """Reduces each value across replicas onto its destination (default: the
@@ -349,35 +333,23 @@ class CentralStorageExtended(StrategyExtended):
         return nest.tensor_leaves(values.local_component(value, index), what)
 
     def replica_all_reduce(self, reduce_op, value, options=None):
-        _refuse_options(options, "all_reduce")
         tensors, spec = self._local_tensors(value, "all_reduce")
-        return nest.pack(spec, self._threads.all_reduce(tensors, as_reduce_op(reduce_op)))
+        return nest.pack(spec, self._threads.all_reduce(tensors, as_reduce_op(reduce_op),
+                                                        options=options))
 
     def replica_all_gather(self, value, axis, options=None):
-        _refuse_options(options, "all_gather")
         tensors, spec = self._local_tensors(value, "all_gather")
-        return nest.pack(spec, self._threads.all_gather(tensors, axis))
+        return nest.pack(spec, self._threads.all_gather(tensors, axis, options=options))
 
     # -- the scope: one copy, on the parameter device ---------------------------------------
     def scope_placement(self):
-        if self._parameter_device.type != "cpu":
-            return self._parameter_device
-        return contextlib.nullcontext()
-
-    def record_parameter(self, module, name, param):
-        self._recorded.add_parameter(param)
-
-    def record_buffer(self, module, name):
-        self._recorded.add_buffer(module, name)
-
-    def record_variable(self, variable):
-        self._recorded.add_tensor(variable.tensor, variable.trainable)
+        return placement_scope(self._parameter_device)
 
     def synchronize_mirrored_state(self):
         """Takes what the scope recorded into the replicas' reads: there is one copy of
         each tensor, so nothing is sent anywhere (``run`` copies the parameters and buffers
         it finds recorded to each compute device)."""
-        self._recorded.take_pending()
+        self._mirrored.take_pending()
 
     # -- variables ---------------------------------------------------------------------
     def check_variable(self, variable):
@@ -389,13 +361,9 @@ class CentralStorageExtended(StrategyExtended):
     def write_variable(self, variable, new_value):
         """Writes the central tensor; inside ``run`` the replicas' (aggregated, hence equal)
         values are written once, when every replica has arrived."""
-        tensor = variable.tensor
         replica = central_reads.current_replica()
         if replica is None or replica.session.strategy is not self._container:
-            with torch.no_grad():
-                tensor.copy_(torch.as_tensor(new_value, dtype=tensor.dtype,
-                                             device=tensor.device))
-            return
+            return super().write_variable(variable, new_value)
         if variable.aggregation is VariableAggregation.NONE and self.num_replicas_in_sync > 1:
             raise ValueError(
                 f"Variable {variable.name!r} is updated inside strategy.run, but its "
@@ -403,8 +371,10 @@ class CentralStorageExtended(StrategyExtended):
                 "so the replicas' updates must be combined. Create it with aggregation="
                 "ts.VariableAggregation.SUM, MEAN or ONLY_FIRST_REPLICA.")
 
+        tensor = variable.tensor
+
         def write_once(new_values):     # aggregated: every replica holds the same value
-            with central_reads.central_view(), torch.no_grad():
+            with replica.suspended(), torch.no_grad():
                 tensor.copy_(torch.as_tensor(new_values[0], dtype=tensor.dtype)
                              .to(tensor.device))
         replica.session.group.rendezvous(replica.replica_id, "a variable update",
@@ -423,12 +393,8 @@ class CentralStorageExtended(StrategyExtended):
 
     def distribute_values_from_function(self, value_fn):
         n = self.num_replicas_in_sync
-        parts = [value_fn(ValueContext(r, n)) for r in range(n)]
-        return parts[0] if n == 1 else values.wrap(parts, tuple(range(n)))
+        return values.per_replica(value_fn(ValueContext(r, n)) for r in range(n))
 
-
-def _on_cuda_device(device):
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _refuse_options(options, what):

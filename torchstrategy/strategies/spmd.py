@@ -17,7 +17,7 @@ from torchstrategy.devices import parse_device
 from torchstrategy.input.contexts import ValueContext
 from torchstrategy.input.distributed_dataset import (DistributedDataset,
                                                      DistributedDatasetsFromFunction)
-from torchstrategy.reduce_op import ReduceOp, as_reduce_op
+from torchstrategy.reduce_op import ReduceOp, as_reduce_op, check_mean_dtype
 from torchstrategy.replica_context import ReplicaContext
 from torchstrategy.strategies.base import StrategyExtended
 
@@ -47,7 +47,6 @@ class SPMDExtended(StrategyExtended):
         self._torch_device = torch_device
         self._place_in_scope = place_in_scope and torch_device is not None \
             and torch_device.type != "cpu"
-        self._mirrored = mirroring.MirroredState()
         self._reducer = None
         if communicator.world_size > 1:
             kwargs = {} if bucket_cap_bytes is None else {"bucket_cap_bytes": bucket_cap_bytes}
@@ -89,9 +88,7 @@ class SPMDExtended(StrategyExtended):
         return ReplicaContext(self._container, 0, self._torch_device or torch.device("cpu"))
 
     def _device_guard(self):
-        if self._torch_device is not None and self._torch_device.type == "cuda":
-            return torch.cuda.device(self._torch_device)
-        return contextlib.nullcontext()
+        return device_guard(self._torch_device)
 
     def call_for_each_replica(self, fn, args, kwargs):
         self.synchronize_mirrored_state()
@@ -121,9 +118,7 @@ class SPMDExtended(StrategyExtended):
         if axis is None:
             return nest.pack(spec, self._comm.all_reduce(tensors, op))
         for index, t in enumerate(tensors):
-            if not -max(t.dim(), 1) <= axis < max(t.dim(), 1) or t.dim() == 0:
-                raise ValueError(f"axis {axis} is out of range for leaf {index} of shape "
-                                 f"{tuple(t.shape)}.")
+            nest.check_axis(t, axis, index)
         sums = [t.sum(dim=axis) for t in tensors]
         if op is ReduceOp.SUM:
             return nest.pack(spec, self._comm.all_reduce(sums, op))
@@ -132,9 +127,7 @@ class SPMDExtended(StrategyExtended):
         counts = [torch.tensor(float(t.shape[axis]), dtype=s.dtype, device=s.device)
                   for t, s in zip(tensors, sums)]
         for s in sums:
-            if not s.is_floating_point():
-                raise ValueError("ReduceOp.MEAN of integer tensors is ambiguous; cast to a "
-                                 "floating dtype first, or use SUM.")
+            check_mean_dtype(op, s)
         reduced = self._comm.all_reduce(sums + counts, ReduceOp.SUM)
         n = len(sums)
         return nest.pack(spec, [s / c for s, c in zip(reduced[:n], reduced[n:])])
@@ -176,19 +169,10 @@ class SPMDExtended(StrategyExtended):
 
     # -- the scope -----------------------------------------------------------------------
     def scope_placement(self):
-        if self._place_in_scope:
-            return self._torch_device
-        return contextlib.nullcontext()
+        return placement_scope(self._torch_device if self._place_in_scope else None)
 
-    def record_parameter(self, module, name, param):
-        self._mirrored.add_parameter(param, f"{type(module).__name__}.{name}")
-
-    def record_buffer(self, module, name):
-        self._mirrored.add_buffer(module, name)
-
-    def record_variable(self, variable):
-        self._mirrored.add_tensor(variable.tensor, variable.trainable,
-                                  f"Variable {variable.name!r}")
+    # record_parameter / record_buffer / record_variable: StrategyExtended's (into
+    # self._mirrored).
 
     def synchronize_mirrored_state(self):
         """Broadcasts tensors recorded since the last call from replica 0 and gives new
@@ -207,8 +191,7 @@ class SPMDExtended(StrategyExtended):
             return
         pending = [tensor for _, tensor in labelled]
         if self._comm.world_size > 1:
-            mirroring.check_same_layout(
-                self._comm.gather_objects(mirroring.layout_of(labelled)))
+            mirroring.check_replicas_agree(self._comm, labelled)
             with torch.no_grad():
                 self._comm.broadcast_(pending, src=0)
         if self._reducer is not None:
@@ -226,11 +209,7 @@ class SPMDExtended(StrategyExtended):
                 with torch.no_grad():
                     self._comm.all_reduce(buffers, ReduceOp.MEAN, inplace=True)
 
-    # -- variables ---------------------------------------------------------------------
-    def write_variable(self, variable, new_value):
-        tensor = variable.tensor
-        with torch.no_grad():
-            tensor.copy_(torch.as_tensor(new_value, dtype=tensor.dtype, device=tensor.device))
+    # -- variables: write_variable is StrategyExtended's (in place) -----------------------
 
     # -- input -------------------------------------------------------------------------
     def distribute_dataset(self, dataset, options):
@@ -256,6 +235,22 @@ class SPMDExtended(StrategyExtended):
         if self._reducer is None:
             return ReductionStats(num_parameters=0)
         return self._reducer.stats()
+
+
+def device_guard(device):
+    """Inside, CUDA kernels launched without a device go to `device` when it is a CUDA
+    device; nothing otherwise (None, the CPU)."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def placement_scope(device):
+    """What ``scope()`` makes the default device: `device`, unless it is None or the CPU
+    (torch's default anyway)."""
+    if device is not None and device.type != "cpu":
+        return device
+    return contextlib.nullcontext()
 
 
 def destination_device(destinations):
