@@ -595,7 +595,7 @@ class LightningStrategy:
         """Registers our names ("mirrored", "mirrored_notebook", ...) in
         `strategy_registry`, Lightning's ``StrategyRegistry`` (Lightning's own hook for
         a strategy class; `torchstrategy.lightning` calls it when it is imported)."""
-        registration.register_into(strategy_registry, cls.lightning.name, cls)
+        registration.register_into(strategy_registry, cls)
 
     def __repr__(self):
         inner = repr(self._ts) if self._ts is not None else \

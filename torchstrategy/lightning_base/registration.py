@@ -12,7 +12,8 @@ alone imports no Lightning and registers nothing.
 Registration records a name and a factory; the strategy itself is built when a Trainer
 asks for the name. This module imports no Lightning.
 """
-import threading
+import importlib
+import sys
 
 # name -> (torchstrategy class it needs, kind, start method, description)
 _NAMES = {
@@ -33,9 +34,8 @@ _NAMES = {
 }
 # Prefix for a name Lightning already uses for one of its own strategies.
 _COLLISION_PREFIX = "ts_"
-
-_lock = threading.Lock()
-_registered = {}  # package -> {our name: name in that registry}
+# The Lightning packages, in the order `registered_names()` looks at them.
+_PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 
 
 def available_names():
@@ -43,13 +43,28 @@ def available_names():
     return list(_NAMES)
 
 
+def _ours(registry, final, name):
+    """True when `final` in `registry` is our registration of `name` (recognised by its
+    description: Lightning's registry records it with the factory)."""
+    return final in registry and registry[final]["description"] == _NAMES[name][3]
+
+
+def _names_in(registry):
+    """{our name: the name it is registered under in `registry`}, read from the registry."""
+    return {name: final for name in _NAMES
+            for final in (name, _COLLISION_PREFIX + name) if _ours(registry, final, name)}
+
+
 def registered_names(package=None):
     """{our name: the name registered in `package`'s registry} (a name Lightning already
-    uses gets the prefix "ts_"). `package` None: the first package registered into."""
-    with _lock:
+    uses gets the prefix "ts_"). `package` None: the first Lightning package imported
+    (``lightning.pytorch`` before ``pytorch_lightning``); {} when none is."""
+    if package is None:
+        package = next((p for p in _PACKAGES if p in sys.modules), None)
         if package is None:
-            package = next(iter(_registered), None)
-        return dict(_registered.get(package, {}))
+            return {}
+    # Lightning is optional: its registry is read only when asked for (never at import).
+    return _names_in(importlib.import_module(f"{package}.strategies").StrategyRegistry)
 
 
 def _factory(adapter_class, kind, start_method):
@@ -59,18 +74,17 @@ def _factory(adapter_class, kind, start_method):
     return build
 
 
-def register_into(registry, package, adapter_class):
-    """Registers every available name into `registry` (the ``StrategyRegistry`` of
-    `package`), each building an `adapter_class`. Idempotent per package."""
-    with _lock:
-        if package in _registered:
-            return _registered[package]
-        names = {}
-        for name in available_names():
-            _cls, kind, start_method, description = _NAMES[name]
-            final = name if name not in registry else _COLLISION_PREFIX + name
-            registry.register(final, _factory(adapter_class, kind, start_method),
-                              description=description, override=True)
-            names[name] = final
-        _registered[package] = names
-        return names
+def register_into(registry, adapter_class):
+    """Registers every available name into `registry` (a Lightning ``StrategyRegistry``),
+    each building an `adapter_class`; returns {our name: registered name}. Idempotent: what
+    is already there is recognised in the registry itself."""
+    names = _names_in(registry)
+    for name in available_names():
+        if name in names:
+            continue
+        _cls, kind, start_method, description = _NAMES[name]
+        final = name if name not in registry else _COLLISION_PREFIX + name
+        registry.register(final, _factory(adapter_class, kind, start_method),
+                          description=description, override=True)
+        names[name] = final
+    return names
