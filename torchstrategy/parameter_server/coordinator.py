@@ -27,7 +27,7 @@ import threading
 import torch.distributed.rpc as rpc
 
 from torchstrategy import nest
-from torchstrategy.parameter_server import pickling, remote, server, worker_runtime
+from torchstrategy.parameter_server import pickling, remote, rpc_world, server, worker_runtime
 from torchstrategy.parameter_server.strategy import ParameterServerStrategy
 
 logger = logging.getLogger("torchstrategy")
@@ -147,12 +147,14 @@ class _PerWorkerDatasetSpec:
     payload: bytes
     wants_context: bool
 
-    def start_on(self, worker_name, worker_names, timeout):
+    rpc_target = staticmethod(worker_runtime.create_per_worker_value)
+
+    def args(self, worker_name, worker_names):
+        """The arguments of `rpc_target` on `worker_name` (one of `worker_names`)."""
         input_context = None
         if self.wants_context:
             input_context = (len(worker_names), list(worker_names).index(worker_name))
-        return rpc.rpc_async(worker_name, worker_runtime.create_per_worker_value,
-                             args=(self.key, self.payload, input_context), timeout=timeout)
+        return self.key, self.payload, input_context
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,9 +164,11 @@ class _PerWorkerIteratorSpec:
     key: str
     source_key: str
 
-    def start_on(self, worker_name, worker_names, timeout):
-        return rpc.rpc_async(worker_name, worker_runtime.make_iterator,
-                             args=(self.key, self.source_key), timeout=timeout)
+    rpc_target = staticmethod(worker_runtime.make_iterator)
+
+    def args(self, worker_name, worker_names):
+        """The arguments of `rpc_target` on `worker_name` (one of `worker_names`)."""
+        return self.key, self.source_key
 
 
 class _ClosureQueue:
@@ -368,6 +372,8 @@ class ClusterCoordinator:
         if winner is not self:  # another thread made one meanwhile: keep that one
             self._queue.stop()
             return winner
+        # The worker threads end when the chief leaves the cluster.
+        self._membership.on_leave(self._queue.stop)
         for worker in self._workers.values():
             worker.thread.start()
         return self
@@ -382,8 +388,6 @@ class ClusterCoordinator:
         self._per_worker_specs = []
         self._spec_lock = threading.Lock()
         self._workers = {name: _Worker(self, name) for name in ext.worker_devices}
-        # The worker threads end when the chief leaves the cluster.
-        self._membership.on_leave(self._queue.stop)
 
     def __init__(self, strategy, closure_timeout=DEFAULT_CLOSURE_TIMEOUT_SECONDS):
         """Everything is set up once, in ``__new__`` (which may return an existing
@@ -489,29 +493,23 @@ class ClusterCoordinator:
         names = list(self._workers)
         with self._spec_lock:
             self._per_worker_specs.append(spec)
-            calls = []
-            for worker in self._workers.values():
-                if worker.alive:
-                    try:
-                        calls.append(spec.start_on(worker.name, names, self._closure_timeout))
-                    except RuntimeError:
-                        # The agent already knows the worker is gone: its thread notices,
-                        # and the specs are replayed when it rejoins.
-                        continue
-            for future in calls:
-                try:
-                    future.wait()
-                except Exception as error:  # the worker's own error arrives as its own type
-                    if not remote.is_transport_error(error):
-                        raise
-                    # A worker lost meanwhile gets the specs replayed when it rejoins.
+            alive = [worker.name for worker in self._workers.values() if worker.alive]
+            errors = rpc_world.call_each(alive, spec.rpc_target,
+                                         lambda name: spec.args(name, names),
+                                         self._closure_timeout)
+        for error in errors.values():
+            # A worker lost (or known gone) meanwhile gets the specs replayed when it
+            # rejoins; the worker's own error arrives as its own type and is raised.
+            if not remote.is_transport_error(error):
+                raise error
 
     def replay_per_worker(self, name):
         """Rebuilds every per-worker value on the worker `name` (after it rejoined)."""
         names = list(self._workers)
         with self._spec_lock:
             for spec in self._per_worker_specs:
-                spec.start_on(name, names, self._closure_timeout).wait()
+                rpc.rpc_async(name, spec.rpc_target, args=spec.args(name, names),
+                              timeout=self._closure_timeout).wait()
 
     # -- failures ------------------------------------------------------------------------------
     def forget_worker(self, name):
@@ -527,21 +525,12 @@ class ClusterCoordinator:
             # The store or its membership token is unavailable: the members told below
             # still forget it, and a rejoining process is refused until the store recovers.
             logger.warning(f"could not drop {name} from the cluster's store: {error}")
-        futures = []
-        for member in members:
-            if member not in (name, self._membership.name):
-                try:
-                    futures.append(rpc.rpc_async(member, server.forget_member,
-                                                 args=(name, rank),
-                                                 timeout=_FORGET_TIMEOUT_SECONDS))
-                except RuntimeError as error:
-                    # That member is gone too; it is dropped when its own loss is noticed.
-                    logger.debug(f"could not tell {member} that {name} is gone: {error}")
-        for future in futures:
-            try:
-                future.wait()
-            except RuntimeError as error:
-                logger.debug(f"a member did not hear that {name} is gone: {error}")
+        others = [member for member in members if member not in (name, self._membership.name)]
+        errors = rpc_world.call_each(others, rpc_world.drop_local, (name, rank),
+                                     _FORGET_TIMEOUT_SECONDS)
+        for member, error in errors.items():
+            # That member is gone or silent too; it is dropped when its own loss is noticed.
+            logger.debug(f"{member} did not hear that {name} is gone: {error}")
 
     def __repr__(self):
         queued, running = self._queue.counts()

@@ -9,7 +9,6 @@ address is 127.0.0.1 on a port the OS picked; this process is the chief. The ser
 when the ``with`` block ends, at interpreter exit, or when this process dies (they get
 SIGKILL from the kernel then), so none is left behind.
 """
-import ctypes
 import json
 import os
 import signal
@@ -19,19 +18,10 @@ import sys
 
 from torchstrategy import runtime
 from torchstrategy.cluster_resolver import SimpleClusterResolver
+from torchstrategy.launch.reexec import set_parent_death_signal
 from torchstrategy.parameter_server import rpc_world, server
 
 _TERMINATE_GRACE_SECONDS = 5.0
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_chief():
-    """preexec_fn: the server gets SIGKILL when this process (the chief) dies (Linux)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:  # no glibc (not Linux): servers end when they lose the chief instead
-        return
 
 
 def _free_port():
@@ -77,8 +67,10 @@ class LocalCluster(SimpleClusterResolver):
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        # The server gets SIGKILL when this process (the chief) dies (Linux; elsewhere
+        # servers end when they lose the chief).
         self._processes[(job, index)] = subprocess.Popen(
-            self._command(job, index), env=env, preexec_fn=_die_with_chief)
+            self._command(job, index), env=env, preexec_fn=set_parent_death_signal)
         return self._processes[(job, index)]
 
     restart = start_task

@@ -15,7 +15,6 @@ Anything else is pickled normally; what cannot be pickled is reported at schedul
 """
 import io
 import pickle
-import threading
 import types
 
 from torchstrategy import runtime
@@ -47,22 +46,9 @@ class _Pickler(_ReferenceMixin, pickle.Pickler):
         return super().persistent_id(obj)
 
 
-class _ByValue:
+def _make_by_value_pickler():
     """The cloudpickle-based pickler class, made on first use (cloudpickle is needed only
     for functions of the main script); one per process, in ``runtime.current().state``."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._pickler_class = None
-
-    def pickler_class(self):
-        with self._lock:
-            if self._pickler_class is None:
-                self._pickler_class = _make_by_value_pickler()
-            return self._pickler_class
-
-
-def _make_by_value_pickler():
     import cloudpickle  # optional dependency: only functions of the main script need it
 
     class ByValuePickler(_ReferenceMixin, cloudpickle.Pickler):
@@ -76,8 +62,8 @@ def _make_by_value_pickler():
 
 def _dumps_by_value(obj, resolve):
     """cloudpickle for one object of ``__main__`` (with its globals), keeping references."""
-    pickler_class = runtime.current().state("parameter_server.pickling", _ByValue) \
-        .pickler_class()
+    pickler_class = runtime.current().state("parameter_server.pickling",
+                                            _make_by_value_pickler)
     buffer = io.BytesIO()
     pickler = pickler_class(buffer, protocol=pickle.HIGHEST_PROTOCOL)
     pickler._init_refs(resolve)

@@ -41,7 +41,7 @@ def read(keys):
     """The current values of `keys`, copied."""
     st = _store()
     with st.lock:
-        return [_get(key).detach().clone() for key in keys]
+        return [_get(st, key).detach().clone() for key in keys]
 
 
 def read_rows(key, rows):
@@ -49,7 +49,7 @@ def read_rows(key, rows):
     are copied and sent."""
     st = _store()
     with st.lock:
-        value = _get(key).detach()
+        value = _get(st, key).detach()
         st.rows_served[key] = st.rows_served.get(key, 0) + int(rows.numel())
         return value.index_select(0, rows)
 
@@ -64,7 +64,7 @@ def rows_served(key):
 def assign(key, value):
     st = _store()
     with st.lock:
-        target = _get(key)
+        target = _get(st, key)
         with torch.no_grad():
             target.copy_(value)
         return True
@@ -74,7 +74,7 @@ def assign_add(key, delta):
     """Adds `delta` atomically and returns the new value."""
     st = _store()
     with st.lock:
-        target = _get(key)
+        target = _get(st, key)
         with torch.no_grad():
             target.add_(delta)
         return target.detach().clone()
@@ -93,7 +93,7 @@ def create_optimizer(optimizer_key, optimizer_class, groups):
     with st.lock:
         if optimizer_key in st.optimizers:
             return True
-        param_groups = [dict(hyper, params=[_get(k) for k in keys])
+        param_groups = [dict(hyper, params=[_get(st, k) for k in keys])
                         for _, keys, hyper in groups]
         st.optimizers[optimizer_key] = optimizer_class(param_groups)
         st.group_indices[optimizer_key] = [index for index, _, _ in groups]
@@ -101,8 +101,7 @@ def create_optimizer(optimizer_key, optimizer_class, groups):
         return True
 
 
-def _use_hyperparameters(optimizer_key, optimizer, version, hyperparameters):
-    st = _store()
+def _use_hyperparameters(st, optimizer_key, optimizer, version, hyperparameters):
     # Each push carries the settings in effect when its closure was scheduled (the chief
     # bumps `version` when they change); comparing one int keeps the usual push cheap.
     if version == st.hyper_versions[optimizer_key]:
@@ -129,14 +128,14 @@ def apply_gradients(optimizer_key, dense, sparse, version=0, hyperparameters=Non
     with st.lock:
         optimizer = st.optimizers[optimizer_key]
         if hyperparameters is not None:
-            _use_hyperparameters(optimizer_key, optimizer, version, hyperparameters)
+            _use_hyperparameters(st, optimizer_key, optimizer, version, hyperparameters)
         touched = []
         for key, grad in dense.items():
-            param = _get(key)
+            param = _get(st, key)
             param.grad = grad.to(param.dtype).view_as(param)
             touched.append(param)
         for key, (rows, grad_rows) in sparse.items():
-            param = _get(key)
+            param = _get(st, key)
             grad = torch.zeros_like(param) if param.grad is None else param.grad
             grad.index_add_(0, rows, grad_rows.to(param.dtype))
             param.grad = grad
@@ -155,7 +154,7 @@ def optimizer_state(optimizer_key, keys):
         state = st.optimizers[optimizer_key].state
         out = {}
         for key in keys:
-            entry = state.get(_get(key))
+            entry = state.get(_get(st, key))
             if entry:
                 out[key] = {name: value.detach().clone() if isinstance(value, torch.Tensor)
                             else value for name, value in entry.items()}
@@ -171,7 +170,7 @@ def load_optimizer_state(optimizer_key, states):
         optimizer = st.optimizers[optimizer_key]
         optimizer.state.clear()
         for key, entry in states.items():
-            optimizer.state[_get(key)] = {
+            optimizer.state[_get(st, key)] = {
                 name: value.detach().clone() if isinstance(value, torch.Tensor) else value
                 for name, value in entry.items()}
     return True
@@ -183,8 +182,8 @@ def keys():
         return sorted(st.variables)
 
 
-def _get(key):
-    st = _store()
+def _get(st, key):
+    """Variable `key` of the store `st` (the caller looked `st` up once per rpc)."""
     try:
         return st.variables[key]
     except KeyError:

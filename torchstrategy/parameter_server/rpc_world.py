@@ -263,6 +263,35 @@ def drop_local(name, rank):
     return True
 
 
+def call_each(names, fn, args, timeout):
+    """Runs ``fn(*args)`` on every member in `names` at once and waits for all of them,
+    each call bounded by `timeout` seconds, so dead or silent members cannot hang the
+    caller nor keep the others from being called.
+
+    Args:
+      args: the arguments, the same for every member, or a function of the member's name
+        returning its arguments.
+
+    Returns:
+      ``{name: error}`` of the calls that failed: a member the agent already knows is gone
+      (the RuntimeError of sending), or a call that failed or timed out (whatever waiting
+      raised, the callee's own error included). Empty when every call succeeded.
+    """
+    futures, errors = {}, {}
+    for name in names:
+        try:
+            futures[name] = rpc.rpc_async(name, fn, args=args(name) if callable(args) else args,
+                                          timeout=timeout)
+        except RuntimeError as error:  # the agent already knows the member is gone
+            errors[name] = error
+    for name, future in futures.items():
+        try:
+            future.wait()
+        except Exception as error:  # gone, silent, or the callee's own: the caller sorts out
+            errors[name] = error
+    return errors
+
+
 def _with_membership_token(store, label, fn):
     token = f"Token_for_{label}"
     deadline = time.monotonic() + 60

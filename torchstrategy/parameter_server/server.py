@@ -58,11 +58,6 @@ def ping():
     return os.getpid()
 
 
-def forget_member(name, rank):
-    """Rpc target: the coordinator tells this member that `name` (rank) died."""
-    return rpc_world.drop_local(name, rank)
-
-
 class Server:
     """One task (worker or ps) of a parameter-server cluster.
 
@@ -131,28 +126,17 @@ class Server:
         return stopped
 
 
-def shutdown_cluster(membership=None, stop_servers=True):
-    """Ends this chief's part in the cluster: asks every server to stop (when
-    `stop_servers`), then leaves the rpc world. Bounded: dead servers cannot hang it."""
-    membership = membership or rpc_world.current()
-    if membership is None or rpc_world.current() is not membership:
+def shutdown_cluster(membership):
+    """Ends this chief's part in the cluster of `membership`: asks every server to stop,
+    then leaves the rpc world (nothing when this process already left it). Bounded: dead
+    servers cannot hang it."""
+    if rpc_world.current() is not membership:
         return
-    if stop_servers:
-        futures = []
-        for name in membership.live_members():
-            if name != membership.name:
-                try:
-                    futures.append((name, rpc.rpc_async(name, request_stop,
-                                                        timeout=_STOP_REQUEST_TIMEOUT_SECONDS)))
-                except RuntimeError as error:
-                    # The agent already knows the server is gone: nothing to stop.
-                    logger.debug(f"not stopping {name}: {error}")
-        for name, future in futures:
-            try:
-                future.wait()
-            except RuntimeError as error:
-                # Gone or silent: it ends by itself when it loses the chief.
-                logger.debug(f"{name} did not acknowledge the stop request: {error}")
+    servers = [name for name in membership.live_members() if name != membership.name]
+    errors = rpc_world.call_each(servers, request_stop, (), _STOP_REQUEST_TIMEOUT_SECONDS)
+    for name, error in errors.items():
+        # Gone or silent: it ends by itself when it loses the chief.
+        logger.debug(f"{name} did not acknowledge the stop request: {error}")
     rpc_world.leave()
 
 

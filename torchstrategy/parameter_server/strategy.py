@@ -21,22 +21,16 @@ import threading
 
 import torch
 
-from torchstrategy import context, nest, runtime, values
+from torchstrategy import nest, runtime
 from torchstrategy.aggregation import VariableAggregation, VariableSynchronization, as_enum
 from torchstrategy.collectives.communicator import Communicator
 from torchstrategy.collectives.cross_device_ops import NcclAllReduce
-from torchstrategy.input.contexts import ValueContext
-from torchstrategy.input.distributed_dataset import (DistributedDataset,
-                                                     DistributedDatasetsFromFunction)
 from torchstrategy.parameter_server import (optimizers, partitioners, ps_store, remote,
                                             rpc_world, server)
 from torchstrategy.parameter_server.variables import PSVariable, ShardedVariable
 from torchstrategy.reduce_op import ReduceOp, as_reduce_op
-from torchstrategy.replica_context import ReplicaContext
-from torchstrategy.strategies.base import Strategy, StrategyExtended
-from torchstrategy.strategies.spmd import destination_device
-
-_CPU = torch.device("cpu")
+from torchstrategy.strategies.base import Strategy
+from torchstrategy.strategies.spmd import SPMDExtended
 
 
 def _next_strategy_id():
@@ -44,13 +38,16 @@ def _next_strategy_id():
     return next(runtime.current().state("parameter_server.strategy_ids", itertools.count))
 
 
-class ParameterServerStrategyExtended(StrategyExtended):
+class ParameterServerStrategyExtended(SPMDExtended):
     """The parts of `ParameterServerStrategy` most programs do not need.
 
-    The user's program runs on the chief, a world of one replica: collectives among the
-    chief's replicas (``reduce``, ``gather``, ``ReplicaContext.all_reduce``) go through a
-    `Communicator` of one process. Parameters registered on modules inside the scope
-    (`record_parameter`) are placed on the parameter servers when the scope exits
+    The user's program runs on the chief, a world of one replica (inside a scheduled
+    function: the worker's one replica), so running, collectives (``reduce``, ``gather``,
+    ``ReplicaContext.all_reduce`` through a `Communicator` of one process) and input are
+    `SPMDExtended`'s, as for the default strategy; to feed the workers use
+    `ClusterCoordinator.create_per_worker_dataset`. What differs is where parameters live:
+    parameters registered on modules inside the scope (`record_parameter`) are placed on
+    the parameter servers when the scope exits and before each ``run``
     (`synchronize_mirrored_state`); ``ts.Variable`` made in the scope is placed at once
     (`create_variable`). Buffers stay on the chief's modules and travel with them.
 
@@ -61,10 +58,10 @@ class ParameterServerStrategyExtended(StrategyExtended):
     """
 
     def __init__(self, container, membership, variable_partitioner):
-        super().__init__(container)
+        super().__init__(container,
+                         Communicator(None, 0, 1, torch.device("cpu"), NcclAllReduce()), None)
         self._membership = membership
         self._partitioner = variable_partitioner
-        self._comm = Communicator(None, 0, 1, _CPU, NcclAllReduce())
         self._prefix = f"s{_next_strategy_id()}"
         self._counter = itertools.count()
         self._lock = threading.Lock()
@@ -83,14 +80,6 @@ class ParameterServerStrategyExtended(StrategyExtended):
 
     # -- facts ---------------------------------------------------------------------------
     @property
-    def replica_id(self):
-        return 0
-
-    @property
-    def num_replicas_in_sync(self):
-        return 1
-
-    @property
     def worker_devices(self):
         """The rpc names of the workers ("worker:0", ...)."""
         return self._worker_devices
@@ -99,14 +88,6 @@ class ParameterServerStrategyExtended(StrategyExtended):
     def parameter_devices(self):
         """The rpc names of the parameter servers ("ps:0", ...)."""
         return self._parameter_devices
-
-    @property
-    def torch_device(self):
-        return None
-
-    @property
-    def communicator(self):
-        return self._comm
 
     @property
     def membership(self):
@@ -134,25 +115,12 @@ class ParameterServerStrategyExtended(StrategyExtended):
                 self._coordinator = coordinator
             return self._coordinator
 
-    # -- running ---------------------------------------------------------------------------
-    def default_replica_context(self):
-        return ReplicaContext(self._container, 0, _CPU)
-
-    def call_for_each_replica(self, fn, args, kwargs):
-        """The chief's one replica (inside a scheduled function: the worker's one replica)."""
-        self.synchronize_mirrored_state()
-        replica = ReplicaContext(self._container, 0, _CPU)
-        with context.enter(self._container, replica):
-            return fn(*args, **kwargs)
-
-    def wrap(self, structure, kind=None):
-        """`structure` as ``run`` returns it: with one replica, the plain value."""
-        return structure
-
     # -- cross-replica reductions ------------------------------------------------------
     def reduce_across_replicas(self, reduce_op, value, axis):
         """With one replica per step, reducing across replicas returns `value` itself (any
-        structure, tensors or not); with `axis`, each tensor is reduced along it."""
+        structure, tensors or not: results of scheduled functions need not be tensors, so
+        unlike `SPMDExtended` nothing is converted, copied or refused); with `axis`, each
+        tensor is reduced along it."""
         op = as_reduce_op(reduce_op)
         if axis is None:
             return value
@@ -164,37 +132,6 @@ class ParameterServerStrategyExtended(StrategyExtended):
             return leaf.sum(axis) if op is ReduceOp.SUM else leaf.mean(axis)
 
         return nest.map_structure(along_axis, value)
-
-    def gather_across_replicas(self, value, axis):
-        return self.replica_all_gather(value, axis)
-
-    def local_results(self, value):
-        if isinstance(value, values.DistributedValues):
-            return value.values
-        return (value,)
-
-    def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
-        """One replica: each value reduced with itself (copied), placed on its destination;
-        `options` (a `CommunicationOptions`) are checked as every strategy checks them."""
-        op = as_reduce_op(reduce_op)
-        results = []
-        for value, destinations in value_destination_pairs:
-            tensors, spec = nest.tensor_leaves(value, "batch_reduce_to")
-            reduced = self._comm.all_reduce(tensors, op, options=options)
-            device = destination_device(destinations)
-            results.append(nest.pack(spec, [t if device is None else t.to(device)
-                                            for t in reduced]))
-        return results
-
-    # -- collectives in replica context -------------------------------------------------
-    def replica_all_reduce(self, reduce_op, value, options=None):
-        tensors, spec = nest.tensor_leaves(value, "all_reduce")
-        return nest.pack(spec, self._comm.all_reduce(tensors, as_reduce_op(reduce_op),
-                                                     options=options))
-
-    def replica_all_gather(self, value, axis, options=None):
-        tensors, spec = nest.tensor_leaves(value, "all_gather")
-        return nest.pack(spec, self._comm.all_gather(tensors, axis, options=options))
 
     # -- the scope: placement on the parameter servers ----------------------------------
     def record_parameter(self, module, name, param):
@@ -209,9 +146,9 @@ class ParameterServerStrategyExtended(StrategyExtended):
         non-variable state is per worker)."""
 
     def record_variable(self, variable):
-        """``ts.Variable`` in this scope is made by `create_variable` (placed at once), and
-        `check_variable` refuses every other kind, so nothing is left to record."""
-        self.check_variable(variable)
+        """Nothing to record: ``ts.Variable`` in this scope is made by `create_variable`
+        (placed at once), and `check_variable`, which ``ts.Variable`` calls before this,
+        refuses every other kind."""
 
     def synchronize_mirrored_state(self):
         """Places the parameters registered in the scope on the parameter servers (at scope
@@ -321,18 +258,6 @@ class ParameterServerStrategyExtended(StrategyExtended):
     def write_variable(self, variable, new_value):
         self.check_variable(variable)
         remote.write_full(variable.layout, new_value)
-
-    # -- input -------------------------------------------------------------------------
-    def distribute_dataset(self, dataset, options):
-        """On the chief (one replica) each global batch comes whole; to feed the workers
-        use `ClusterCoordinator.create_per_worker_dataset`."""
-        return DistributedDataset(self._container, dataset, options)
-
-    def distribute_datasets_from_function(self, dataset_fn, options):
-        return DistributedDatasetsFromFunction(self._container, dataset_fn, options)
-
-    def distribute_values_from_function(self, value_fn):
-        return value_fn(ValueContext(0, 1))
 
     # -- references for scheduled functions ---------------------------------------------
     def reference(self, obj):

@@ -13,6 +13,7 @@ The result goes back as a `ClosureResult` (the value, or the error with its kind
 traceback), so the coordinator can tell a failing function from a failing worker.
 """
 import dataclasses
+import functools
 import pickle
 import threading
 import traceback
@@ -46,29 +47,21 @@ class ClosureResult:
         return self.error is None
 
 
-class _UsedLayouts(threading.local):
-    """The layouts the closure running on this thread reads (filled while unpickling)."""
-
-    used = None
-
-
 class _WorkerState:
     """What this worker process keeps between closures (``runtime.current().state``)."""
 
     def __init__(self):
         self.lock = threading.Lock()
         self.local_params = {}      # variable key -> worker-local tensor
-        self.layouts = {}           # variable key -> Layout
         self.per_worker = {}        # per-worker value key -> this worker's value
-        self.closure = _UsedLayouts()
 
 
 def _state():
     return runtime.current().state("parameter_server.worker_runtime", _WorkerState)
 
 
-def _local_param(layout):
-    st = _state()
+def _local_param(st, layout):
+    """The worker-local tensor of `layout`'s variable (`st`: the `_WorkerState`)."""
     with st.lock:
         param = st.local_params.get(layout.key)
         if param is None:
@@ -79,7 +72,6 @@ def _local_param(layout):
             if layout.trainable:
                 param = torch.nn.Parameter(param)
             st.local_params[layout.key] = param
-            st.layouts[layout.key] = layout
     return param
 
 
@@ -92,16 +84,17 @@ class WorkerOptimizer:
     local gradients as torch's does.
     """
 
-    def __init__(self, optimizer_key, groups, version, hyperparameters):
+    def __init__(self, st, optimizer_key, groups, version, hyperparameters):
         self._key = optimizer_key
         self._version = version
         self._hyperparameters = hyperparameters
-        self.param_groups = [dict(hyper, params=[_local_param(l) for l in layouts])
+        self._local_params = st.local_params
+        self.param_groups = [dict(hyper, params=[_local_param(st, l) for l in layouts])
                              for layouts, hyper in zip(groups, hyperparameters)]
         self._layouts = [l for layouts in groups for l in layouts]
 
     def zero_grad(self, set_to_none=True):
-        local_params = _state().local_params
+        local_params = self._local_params
         for layout in self._layouts:
             param = local_params[layout.key]
             param._ts_sparse_grads = []
@@ -117,7 +110,7 @@ class WorkerOptimizer:
             with torch.enable_grad():
                 loss = closure()
         dense, sparse = {}, {}   # per ps: {key: grad}, {key: (rows, grads)}
-        local_params = _state().local_params
+        local_params = self._local_params
         for layout in self._layouts:
             param = local_params[layout.key]
             if param.grad is not None:
@@ -174,8 +167,8 @@ class WorkerEmbedding(torch.nn.Embedding):
     gradients); otherwise it is the plain embedding."""
 
     def forward(self, input):
-        key = getattr(self.weight, "_ts_key", None)
-        layout = _state().layouts.get(key)
+        # Set on the tables that arrived as parameter-server references (`_load_reference`).
+        layout = getattr(self.weight, "_ts_layout", None)
         if layout is None or not layout.embedding:
             return super().forward(input)
         if self.max_norm is not None:
@@ -193,14 +186,14 @@ class WorkerEmbedding(torch.nn.Embedding):
 _CLASS_MAP = {("torch.nn.modules.sparse", "Embedding"): WorkerEmbedding}
 
 
-def _load_reference(ref):
+def _load_reference(st, used, ref):
+    """The object reference `ref` stands for on this worker (`st`: the `_WorkerState`);
+    the layouts of the variables it reads are added to `used` (key -> layout)."""
     kind = ref[0]
-    st = _state()
-    used = st.closure.used
     if kind == "param":
         layout = ref[1]
-        param = _local_param(layout)
-        param._ts_key = layout.key
+        param = _local_param(st, layout)
+        param._ts_layout = layout
         used[layout.key] = layout
         return param
     if kind == "optimizer":
@@ -208,7 +201,7 @@ def _load_reference(ref):
         for layouts in groups:
             for layout in layouts:
                 used[layout.key] = layout
-        return WorkerOptimizer(key, groups, version, hyperparameters)
+        return WorkerOptimizer(st, key, groups, version, hyperparameters)
     if kind == "per_worker":
         key = ref[1]
         try:
@@ -219,8 +212,8 @@ def _load_reference(ref):
     raise ValueError(f"Unknown reference kind {kind!r}.")
 
 
-def _pull(used):
-    local_params = _state().local_params
+def _pull(st, used):
+    local_params = st.local_params
     layouts = [l for l in used.values() if not l.embedding]
     if layouts:
         values = remote.read_full(layouts)
@@ -252,11 +245,11 @@ def run_closure(payload):
     """Rpc target on a worker: runs one scheduled function and returns its `ClosureResult`.
     Never raises: an error comes back with kind "ps" when a parameter server could not be
     reached, "user" otherwise."""
-    closure = _state().closure
-    closure.used = {}
+    st, used = _state(), {}
     try:
-        fn, args, kwargs = pickling.loads(payload, _load_reference, _CLASS_MAP)
-        _pull(closure.used)
+        fn, args, kwargs = pickling.loads(payload, functools.partial(_load_reference, st, used),
+                                          _CLASS_MAP)
+        _pull(st, used)
         result = fn(*args, **kwargs)
         return ClosureResult(value=_detached(result))
     except remote.ParameterServerUnavailableError as error:
@@ -264,30 +257,23 @@ def run_closure(payload):
     except BaseException as error:  # the function's own error, sent back to the chief
         return ClosureResult(error=_picklable(error), error_kind="user",
                              trace=traceback.format_exc())
-    finally:
-        closure.used = None
 
 
 def create_per_worker_value(key, payload, input_context=None):
     """Rpc target: calls the pickled ``fn()`` (``fn(ts.InputContext)`` when `input_context`
     is ``(num_workers, worker_index)``) and keeps the result as this worker's value for
     `key`."""
-    closure = _state().closure
-    outside_closure = closure.used is None
-    if outside_closure:
-        closure.used = {}
-    try:
-        fn, args, make_iterator = pickling.loads(payload, _load_reference, _CLASS_MAP)
-    finally:
-        if outside_closure:
-            closure.used = None
+    st = _state()
+    # Nothing is pulled for a per-worker value: the layouts it refers to are dropped.
+    fn, args, make_iterator = pickling.loads(payload, functools.partial(_load_reference, st, {}),
+                                             _CLASS_MAP)
     if input_context is not None:
         args = (InputContext(num_input_pipelines=input_context[0],
                              input_pipeline_id=input_context[1]),)
     value = fn(*args)
     if make_iterator:
         value = iter(value)
-    _state().per_worker[key] = value
+    st.per_worker[key] = value
     return True
 
 
