@@ -52,3 +52,21 @@ def test_resolver_on_a_tpu_vm_and_explicit_hosts():
     assert explicit.master() == "a:1" and explicit.master("worker", 1) == "b:2"
     with pytest.raises(ValueError, match="outside the 2 host"):
         TPUClusterResolver(["a:1", "b:2"], task_id=2, environ={})
+
+
+def test_run_options_of_a_strategy_compiling_with_xla():
+    # TPUExtended.check_run_options is check_run_options(..., compiles_with_xla=True).
+    from torchstrategy.run_options import check_run_options
+    static = ts.RunOptions(experimental_enable_dynamic_batch_size=False)
+    assert check_run_options(static, "TPUStrategy", compiles_with_xla=True) is static
+    with pytest.raises(ValueError, match="no static-shape mode"):
+        check_run_options(static, "MirroredStrategy")
+    xla = ts.RunOptions(experimental_xla_options={"xla_cpu_fast_math": True})
+    with pytest.raises(ValueError, match="XLA_FLAGS environment variable.*before creating "
+                                         "the TPUStrategy"):
+        check_run_options(xla, "TPUStrategy", compiles_with_xla=True)
+    with pytest.raises(ValueError, match="applies to TPUStrategy only; MirroredStrategy"):
+        check_run_options(xla, "MirroredStrategy")
+    with pytest.raises(ValueError, match="no shape-bucketing pass"):
+        check_run_options(ts.RunOptions(experimental_bucketizing_dynamic_shape=True),
+                          "TPUStrategy", compiles_with_xla=True)

@@ -30,24 +30,15 @@ from torchstrategy.collectives.cross_device_ops import NcclAllReduce
 from torchstrategy.communication_options import require_default_options
 from torchstrategy.input.contexts import ValueContext
 from torchstrategy.launch import world as world_lib
-from torchstrategy.reduce_op import ReduceOp, as_reduce_op
+from torchstrategy.reduce_op import ReduceOp, as_reduce_op, check_mean_dtype
 from torchstrategy.replica_context import ReplicaContext
-from torchstrategy.run_options import RunOptions, check_run_options
+from torchstrategy.run_options import check_run_options
 from torchstrategy.strategies.base import Strategy, StrategyExtended, logger
 from torchstrategy.strategies.spmd import destination_device
 from torchstrategy.xla import require_torch_xla
 from torchstrategy.xla.input import TPUDistributedDataset, TPUDistributedDatasetsFromFunction
-from torchstrategy.xla.mesh import DataMesh, is_xla, sharding_of
+from torchstrategy.xla.mesh import DataMesh, is_xla
 from torchstrategy.xla.values import GlobalValue, device_ordinal
-
-
-class TPUReplicaContext(ReplicaContext):
-    """The replica context of TPUStrategy's ``run``: one traced program standing for every
-    replica at once, seeing global tensors (see the module docstring). Its ``all_reduce``
-    and ``all_gather`` return their argument (`TPUExtended.replica_all_reduce`)."""
-
-    def __init__(self, strategy, device):
-        super().__init__(strategy, 0, device)
 
 
 class TPUExtended(StrategyExtended):
@@ -67,7 +58,6 @@ class TPUExtended(StrategyExtended):
         self._comm = communicator
         self.mesh = mesh
         self.steps_per_execution = steps_per_execution
-        self._recorded = mirroring.MirroredState()
         self._pending_steps = 0
 
     # -- facts ---------------------------------------------------------------------------
@@ -79,10 +69,6 @@ class TPUExtended(StrategyExtended):
     @property
     def num_replicas_in_sync(self):
         return self.mesh.num_devices
-
-    @property
-    def is_chief(self):
-        return self.mesh.process_index == 0
 
     @property
     def worker_devices(self):
@@ -116,28 +102,20 @@ class TPUExtended(StrategyExtended):
 
     # -- running ---------------------------------------------------------------------------
     def default_replica_context(self):
-        return TPUReplicaContext(self._container, self.mesh.device)
+        return self._replica_context()
+
+    def _replica_context(self):
+        # One traced program stands for every replica at once, seeing global tensors (see
+        # the module docstring): replica 0, whose all_reduce / all_gather return their
+        # argument (`replica_all_reduce`).
+        return ReplicaContext(self._container, 0, self.mesh.device)
 
     def check_run_options(self, options):
         """Refuses what torch_xla cannot honour. ``experimental_xla_options``: torch_xla has
         no per-execution compiler options (XLA flags are read once, from $XLA_FLAGS, when
         its runtime starts), so it is refused. ``experimental_enable_dynamic_batch_size=
         False`` is honoured: torch_xla always compiles for the static shapes it traces."""
-        if isinstance(options, RunOptions):
-            if options.experimental_xla_options is not None:
-                raise ValueError(
-                    "RunOptions(experimental_xla_options=...) cannot be honoured: torch_xla "
-                    "takes no compiler options per run; XLA reads its flags once, from the "
-                    "XLA_FLAGS environment variable, when its runtime starts. Set XLA_FLAGS "
-                    "before creating the TPUStrategy and remove the option.")
-            if not options.experimental_enable_dynamic_batch_size:
-                options = RunOptions(
-                    experimental_enable_dynamic_batch_size=True,
-                    experimental_bucketizing_dynamic_shape=options
-                    .experimental_bucketizing_dynamic_shape,
-                    experimental_replicate_to_logical_devices=options
-                    .experimental_replicate_to_logical_devices)
-        return check_run_options(options, "TPUStrategy")
+        return check_run_options(options, "TPUStrategy", compiles_with_xla=True)
 
     def call_for_each_replica(self, fn, args, kwargs):
         """Traces ``fn(*args, **kwargs)`` once for all replicas, over global tensors.
@@ -153,8 +131,7 @@ class TPUExtended(StrategyExtended):
         self.synchronize_mirrored_state()
         args = self.to_program_input(args)
         kwargs = self.to_program_input(kwargs)
-        with context.enter(self._container, TPUReplicaContext(self._container,
-                                                              self.mesh.device)):
+        with context.enter(self._container, self._replica_context()):
             result = fn(*args, **kwargs)
         self.synchronize_buffers()
         return self.wrap_global(result)
@@ -257,17 +234,15 @@ class TPUExtended(StrategyExtended):
             if isinstance(leaf, list):  # one component per replica
                 if axis is None:
                     stacked = torch.stack(leaf)
-                    _check_mean(op, stacked)
+                    check_mean_dtype(op, stacked)
                     out.append(stacked.sum(0) if op is ReduceOp.SUM else stacked.mean(0))
                     continue
                 leaf = torch.cat(leaf, dim=axis)
             elif axis is None:
                 out.append(leaf)  # a global value already covers every replica
                 continue
-            if leaf.dim() == 0 or not -leaf.dim() <= axis < leaf.dim():
-                raise ValueError(f"axis {axis} is out of range for leaf {index} of shape "
-                                 f"{tuple(leaf.shape)}.")
-            _check_mean(op, leaf)
+            nest.check_axis(leaf, axis, index)
+            check_mean_dtype(op, leaf)
             out.append(leaf.sum(dim=axis) if op is ReduceOp.SUM else leaf.mean(dim=axis))
         return nest.pack(spec, out)
 
@@ -282,9 +257,11 @@ class TPUExtended(StrategyExtended):
             if isinstance(leaf, GlobalValue):
                 tensor = leaf.tensor
                 _check_axis(tensor, axis, index)
-                if sharding_of(tensor) == "":
+                sharding = _compat.xla_sharding_spec(tensor)
+                if sharding == "":   # not computed yet: run it, then read its sharding
                     self.materialize()
-                if _split_only_along(sharding_of(tensor), axis % tensor.dim()):
+                    sharding = _compat.xla_sharding_spec(tensor)
+                if _split_only_along(sharding, axis % tensor.dim()):
                     out.append(tensor)
                 else:
                     out.append(torch.cat(list(leaf.values), dim=axis).to(tensor.device))
@@ -305,20 +282,12 @@ class TPUExtended(StrategyExtended):
         """The pieces of `value` on this host's devices, one per device, in device order
         (host copies; reading them runs any pending steps first). A structure gives one
         structure per local device."""
-        if isinstance(value, values.DistributedValues):
-            return value.values
-        leaves, _ = nest.flatten(value)
-        if not any(isinstance(leaf, values.DistributedValues) for leaf in leaves):
-            return (value,)
         n = self.mesh.num_local_devices
 
-        def piece(leaf, index):
-            if not isinstance(leaf, values.DistributedValues):
-                return leaf
+        def piece(leaf, index):   # a leaf with another number of parts: its first
             parts = leaf.values
             return parts[index] if len(parts) == n else parts[0]
-        return tuple(nest.map_structure(lambda leaf, i=i: piece(leaf, i), value)
-                     for i in range(n))
+        return values.local_results(value, n, piece)
 
     def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
         _refuse_options(options, "batch_reduce_to / reduce_to")
@@ -350,37 +319,33 @@ class TPUExtended(StrategyExtended):
         """Modules and variables created in the scope are placed on the XLA device."""
         return self.mesh.device
 
-    def record_parameter(self, module, name, param):
-        self._recorded.add_parameter(param)
-
-    def record_buffer(self, module, name):
-        self._recorded.add_buffer(module, name)
-
-    def record_variable(self, variable):
-        self._recorded.add_tensor(variable.tensor, variable.trainable)
+    # record_parameter / record_buffer / record_variable: StrategyExtended's (into
+    # self._mirrored).
 
     def synchronize_mirrored_state(self):
         """Makes new parameters and buffers identical on every host (host 0's values; a
         no-op with one host) and computes them, so their initialisation is not traced into
-        the first step."""
-        import torch_xla  # optional dependency: present whenever a TPUStrategy exists
+        the first step.
 
-        pending = self._recorded.take_pending()
-        if not pending:
+        With several hosts, the hosts first compare names, shapes and dtypes of what they
+        recorded, as SPMDExtended's replicas do.
+
+        Raises:
+          ValueError: hosts that recorded different tensors, naming the first difference.
+        """
+        labelled = self._mirrored.take_pending_labelled()
+        if not labelled:
             return
         if self.mesh.process_count > 1:
+            mirroring.check_replicas_agree(self._comm, labelled)
             with torch.no_grad():
-                hosts = [tensor.detach().cpu() for tensor in pending]
+                hosts = [tensor.detach().cpu() for _, tensor in labelled]
                 self._comm.broadcast_(hosts, src=0)
-                for tensor, host in zip(pending, hosts):
+                for (_, tensor), host in zip(labelled, hosts):
                     tensor.copy_(host.to(tensor.device))
-        torch_xla.sync()
+        self.flush()
 
-    # -- variables ---------------------------------------------------------------------
-    def write_variable(self, variable, new_value):
-        tensor = variable.tensor
-        with torch.no_grad():
-            tensor.copy_(torch.as_tensor(new_value, dtype=tensor.dtype, device=tensor.device))
+    # -- variables: write_variable is StrategyExtended's (in place) -----------------------
 
     # -- input -------------------------------------------------------------------------
     def distribute_dataset(self, dataset, options):
@@ -419,19 +384,9 @@ def _refuse_options(options, what):
         "compiled into the XLA program, which decides how they travel, and inside run "
         "tensors are already global. Pass options=None."))
 
-def _check_mean(op, tensor):
-    if op is ReduceOp.MEAN and not (tensor.is_floating_point() or tensor.is_complex()):
-        raise ValueError("ReduceOp.MEAN of integer tensors is ambiguous; cast to a floating "
-                         "dtype first, or use SUM.")
-
-
 def _check_axis(tensor, axis, index):
-    if tensor.dim() == 0:
-        raise ValueError(f"Cannot gather a scalar (leaf {index}) along axis {axis}; give it "
-                         "a dimension first, e.g. t.reshape(1).")
-    if not -tensor.dim() <= axis < tensor.dim():
-        raise ValueError(f"axis {axis} is out of range for leaf {index} of shape "
-                         f"{tuple(tensor.shape)}.")
+    nest.check_gatherable(tensor, axis, index)
+    nest.check_axis(tensor, axis, index)
 
 
 def _split_only_along(sharding, axis):

@@ -6,7 +6,6 @@ Parameters are replicated (every device holds all of them); batches are split al
 """
 import torch
 
-from torchstrategy import _compat
 from torchstrategy.xla import require_torch_xla
 
 AXIS = "data"
@@ -71,12 +70,6 @@ class DataMesh:
     def replicate_to_device(self, tensor):
         """Copies a tensor to the mesh, replicated on every device."""
         return tensor.to(self.device)
-
-
-def sharding_of(tensor):
-    """torch_xla's text of `tensor`'s sharding ("{replicated}", "{devices=[4,1]0,1,2,3}"),
-    or "" before the tensor has been computed."""
-    return _compat.xla_sharding_spec(tensor)
 
 
 def is_xla(value):
