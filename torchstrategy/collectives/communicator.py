@@ -19,7 +19,7 @@ from torchstrategy import _ops, runtime
 from torchstrategy.collectives.cross_device_ops import wait_for
 from torchstrategy.communication_options import (CommunicationImplementation,
                                                  CommunicationOptions)
-from torchstrategy.reduce_op import ReduceOp, as_reduce_op
+from torchstrategy.reduce_op import ReduceOp, as_reduce_op, check_mean_dtype
 
 
 class CollectiveError(RuntimeError):
@@ -175,9 +175,7 @@ class Communicator:
         tensors = list(tensors)
         if op is ReduceOp.MEAN:
             for t in tensors:
-                if not (t.is_floating_point() or t.is_complex()):
-                    raise ValueError(f"ReduceOp.MEAN of a {t.dtype} tensor is ambiguous; "
-                                     "cast it to a floating dtype first, or use SUM.")
+                check_mean_dtype(op, t)
         if self.world_size == 1:
             return tensors if inplace else [t.clone() for t in tensors]
         scale = 1.0 / self.world_size if op is ReduceOp.MEAN else 1.0
