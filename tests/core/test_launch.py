@@ -6,33 +6,12 @@ import sys
 import time
 
 import pytest
-
-from tests.helpers import SCRIPTS
 import torch
 
+from tests.helpers import SCRIPTS
+from tests.helpers.processes import alive, plain_environment
+
 SCRIPT = os.path.join(SCRIPTS, "reexec_train.py")
-
-
-def _env():
-    env = dict(os.environ)
-    env["TORCHSTRATEGY_TIMEOUT_SECONDS"] = "60"
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHSTRATEGY_LAUNCHER"):
-        env.pop(name, None)
-    return env
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is dead for our purposes.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _pids(outdir):
@@ -42,9 +21,9 @@ def _pids(outdir):
 
 def _assert_no_orphans(outdir):
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(_alive(p) for p in _pids(outdir)):
+    while time.monotonic() < deadline and any(alive(p) for p in _pids(outdir)):
         time.sleep(0.1)
-    assert not any(_alive(p) for p in _pids(outdir)), "a replica outlived the job"
+    assert not any(alive(p) for p in _pids(outdir)), "a replica outlived the job"
 
 
 def _weights(outdir):
@@ -52,7 +31,7 @@ def _weights(outdir):
 
 
 def _run(mode, tmp_path, timeout=180):
-    return subprocess.run([sys.executable, SCRIPT, mode, str(tmp_path)], env=_env(),
+    return subprocess.run([sys.executable, SCRIPT, mode, str(tmp_path)], env=plain_environment(),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -87,7 +66,7 @@ def test_replica_zero_failing_stops_the_others(tmp_path):
 
 def test_ctrl_c_stops_every_replica(tmp_path):
     process = subprocess.Popen([sys.executable, SCRIPT, "hang_until_signal", str(tmp_path)],
-                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env=plain_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not all(
@@ -102,7 +81,7 @@ def test_ctrl_c_stops_every_replica(tmp_path):
 
 def test_sigkill_of_replica_zero_takes_the_others_down(tmp_path):
     process = subprocess.Popen([sys.executable, SCRIPT, "hang_until_signal", str(tmp_path)],
-                               env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               env=plain_environment(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not all(
             os.path.exists(tmp_path / f"ready{r}") for r in range(2)):
@@ -115,7 +94,7 @@ def test_sigkill_of_replica_zero_takes_the_others_down(tmp_path):
 def test_torchrun_world_is_taken(tmp_path):
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
                              "--standalone", SCRIPT, "torchrun", str(tmp_path)],
-                            env=_env(), capture_output=True, text=True, timeout=180)
+                            env=plain_environment(), capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     weights = _weights(tmp_path)
     assert weights[0].startswith("2 [") and weights[0] == weights[1]
@@ -126,7 +105,7 @@ def test_without_gpus_the_default_is_one_cpu_replica_and_one_log_line():
     code = ("import logging; logging.basicConfig(level=logging.INFO, format='%(name)s: "
             "%(message)s'); import torchstrategy as ts; s = ts.MirroredStrategy(); "
             "print(s.num_replicas_in_sync, s.extended.worker_devices)")
-    result = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
+    result = subprocess.run([sys.executable, "-c", code], env=plain_environment(), capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "1 (device(type='cpu'),)"

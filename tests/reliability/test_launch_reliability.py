@@ -10,31 +10,10 @@ import time
 import pytest
 
 from tests.helpers import SCRIPTS
+from tests.helpers.processes import alive, plain_environment
 
 SCRIPT = os.path.join(SCRIPTS, "reliability_launch.py")
 pytestmark = pytest.mark.timeout(240)
-
-
-def _env():
-    env = dict(os.environ)
-    env["TORCHSTRATEGY_TIMEOUT_SECONDS"] = "60"
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHSTRATEGY_LAUNCHER",
-                 "TORCHSTRATEGY_PARENT_PID", "GROUP_RANK", "GROUP_WORLD_SIZE"):
-        env.pop(name, None)
-    return env
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _wait_for(paths, process, seconds=120):
@@ -94,21 +73,21 @@ def _kill_group(process):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_killed_launch_parent_leaves_no_replica_and_store_is_loopback_only(tmp_path, sig):
     process = subprocess.Popen([sys.executable, SCRIPT, "launch_sleep", str(tmp_path)],
-                               env=_env(), stdout=_log(tmp_path), stderr=subprocess.STDOUT,
+                               env=plain_environment(), stdout=_log(tmp_path), stderr=subprocess.STDOUT,
                                start_new_session=True)
     try:
         _wait_for([tmp_path / f"pid{r}" for r in range(2)], process)
         # Item 1: ts.launch's store is reachable from this machine only.
         _assert_loopback_only(int((tmp_path / "port0").read_text()))
         pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
-        assert all(_alive(p) for p in pids)
+        assert all(alive(p) for p in pids)
         # Item 8: the parent is killed (only it, not its process group).
         os.kill(process.pid, sig)
         process.wait(timeout=30)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        while time.monotonic() < deadline and any(alive(p) for p in pids):
             time.sleep(0.1)
-        survivors = [p for p in pids if _alive(p)]
+        survivors = [p for p in pids if alive(p)]
         assert not survivors, f"replicas {survivors} outlived the killed ts.launch parent"
     finally:
         _kill_group(process)
@@ -116,7 +95,7 @@ def test_killed_launch_parent_leaves_no_replica_and_store_is_loopback_only(tmp_p
 
 def test_reexec_store_is_loopback_only_and_one_parent_watch_per_replica(tmp_path):
     process = subprocess.Popen([sys.executable, SCRIPT, "reexec_many", str(tmp_path)],
-                               env=_env(), stdout=_log(tmp_path), stderr=subprocess.STDOUT,
+                               env=plain_environment(), stdout=_log(tmp_path), stderr=subprocess.STDOUT,
                                start_new_session=True)
     try:
         _wait_for([tmp_path / f"pid{r}" for r in range(2)], process)
