@@ -1,13 +1,13 @@
 """Misuse gives clear errors, raised before any process blocks in a collective, and
 ts.launch reports replica failures."""
 import os
-import time
 
 import pytest
 import torch
 
 import torchstrategy as ts
 from torchstrategy.launch.spawn import ReplicaFailed
+from tests.helpers.processes import assert_ended_not_awaited, sleep_then_mark
 from tests.helpers.replicas import from_every_replica, launch
 
 
@@ -155,35 +155,35 @@ def test_devices_disagreeing_with_the_launched_world():
 
 
 # -- ts.launch failure reporting -------------------------------------------------------------
-def _replica_one_raises(tag):
+def _replica_one_raises(tag, outdir):
     strategy = ts.MirroredStrategy()
     if strategy.extended.replica_id == 1:
         raise ValueError(f"bad value in replica 1 ({tag})")
     # Replica 0 is busy (not in a collective, whose own error could race with replica 1's
     # report); launch must end it.
-    time.sleep(60)
+    sleep_then_mark(outdir, 120)
     return "unreachable"
 
 
-def _replica_one_exits():
+def _replica_one_exits(outdir):
     strategy = ts.MirroredStrategy()
     if strategy.extended.replica_id == 1:
         os._exit(3)
-    time.sleep(60)
+    sleep_then_mark(outdir, 120)
     return "unreachable"
 
 
-def test_launch_reraises_the_replica_exception_type():
-    start = time.monotonic()
+def test_launch_reraises_the_replica_exception_type(tmp_path):
     with pytest.raises(ValueError, match=r"bad value in replica 1 \(tag-42\)") as info:
-        launch(_replica_one_raises, "tag-42", n=2)
+        launch(_replica_one_raises, "tag-42", str(tmp_path), n=2)
     assert "Replica 1 raised" in str(info.value.__cause__)
-    assert time.monotonic() - start < 30  # the busy replica 0 was terminated, not awaited
+    assert_ended_not_awaited(tmp_path)  # the busy replica 0 was terminated, not awaited
 
 
-def test_launch_reports_a_replica_that_died():
+def test_launch_reports_a_replica_that_died(tmp_path):
     # Either the pipe's end or the process's exit is noticed first; both name the code.
     with pytest.raises(ReplicaFailed, match=r"Replica 1 (exited with code 3|ended \(exit "
                                             r"code 3\))"):
-        launch(_replica_one_exits, n=2)
+        launch(_replica_one_exits, str(tmp_path), n=2)
+    assert_ended_not_awaited(tmp_path)
     assert issubclass(ReplicaFailed, RuntimeError)

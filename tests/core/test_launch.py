@@ -20,7 +20,7 @@ def _pids(outdir):
 
 
 def _assert_no_orphans(outdir):
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30   # a hang guard: reaping is asynchronous
     while time.monotonic() < deadline and any(alive(p) for p in _pids(outdir)):
         time.sleep(0.1)
     assert not any(alive(p) for p in _pids(outdir)), "a replica outlived the job"
@@ -46,21 +46,25 @@ def test_plain_python_runs_every_replica_with_identical_weights(tmp_path):
     _assert_no_orphans(tmp_path)
 
 
+# The survivor of a failed replica waits in a collective, then sleeps 300 s: the job ends
+# only because the supervisor ended it (the run's 180 s bound is the hang guard), and no
+# replica reports the collective timeout.
+_TIMED_OUT = "did not complete within the strategy's timeout"
+
+
 def test_a_failing_replica_ends_the_job_with_its_exit_code(tmp_path):
-    start = time.monotonic()
     result = _run("child_exit", tmp_path)
     assert result.returncode == 3, result.stderr
     assert "replica 1 exited with code 3" in result.stderr
-    assert time.monotonic() - start < 60  # not the collective timeout
+    assert _TIMED_OUT not in result.stderr, result.stderr[-3000:]
     _assert_no_orphans(tmp_path)
 
 
 def test_replica_zero_failing_stops_the_others(tmp_path):
-    start = time.monotonic()
     result = _run("parent_raise", tmp_path)
     assert result.returncode != 0
     assert "replica 0 fails on purpose" in result.stderr
-    assert time.monotonic() - start < 60
+    assert _TIMED_OUT not in result.stderr, result.stderr[-3000:]
     _assert_no_orphans(tmp_path)
 
 

@@ -5,6 +5,7 @@ import datetime
 import os
 import signal
 import time
+import types
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch.distributed as dist
 
 import torchstrategy as ts
 from torchstrategy.backup_and_restore import check_resize
+from torchstrategy.fault_tolerance import preemption, termination
 from torchstrategy.fault_tolerance.agreement import StoreAgreement
 from tests.fault_tolerance import runs
 
@@ -166,22 +168,54 @@ def test_second_signal_during_the_save_and_a_killed_save_keep_the_last_checkpoin
     assert again.total_run_calls == 3 and not stale.exists()
 
 
-def test_grace_period_saves_then_trains_on_and_saves_before_it_ends(tmp_path, caplog):
+class _Clock:
+    """A monotonic clock that moves only when a step says so: the grace period's countdown
+    is then exact, whatever else the machine is doing."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self):
+        return self.now
+
+    def advance(self, seconds):
+        self.now += seconds
+
+
+def test_grace_period_saves_then_trains_on_and_saves_before_it_ends(tmp_path, caplog,
+                                                                    monkeypatch):
+    # Steps of 1/8 s and saves of no time, on a clock only the steps move: the handler
+    # must keep (two steps + one save) * 3 = 0.75 s of the 8 s grace period unused
+    # (TerminationConfig's documented margin), so its last agreed step is the first one
+    # started at or after 7.25 s: 58 steps after the notice.
+    clock = _Clock()
+    fake_time = types.SimpleNamespace(monotonic=clock.monotonic, sleep=time.sleep)
+    monkeypatch.setattr(preemption, "time", fake_time)
+    monkeypatch.setattr(termination, "time", fake_time)
+    step, grace, steps_before_notice = 0.125, 8.0, 5
     exits = []
-    config = ts.TerminationConfig(exit_fn=lambda: exits.append(handler.total_run_calls),
-                                  grace_period=1.0, signals=[signal.SIGUSR1])
+    config = ts.TerminationConfig(
+        exit_fn=lambda: exits.append((handler.total_run_calls, clock.now)),
+        grace_period=grace, signals=[signal.SIGUSR1])
     handler = ts.PreemptionCheckpointHandler(None, {"counter": _Counter()}, tmp_path, config)
     with handler.watch_preemption_scope():
+        for _ in range(steps_before_notice):
+            handler.run(clock.advance, step)
         os.kill(os.getpid(), signal.SIGUSR1)
         notice = handler._watcher.notice_time
-        while not exits:
-            handler.run(time.sleep, 0.01)
-            assert time.monotonic() - notice < 5
-    assert time.monotonic() - notice < 1.0  # inside the grace period
+        assert notice == clock.now
+        for _ in range(int(2 * grace / step)):   # twice the grace period: a bound, not a wait
+            if exits:
+                break
+            handler.run(clock.advance, step)
+    last_step = steps_before_notice + 59
+    assert exits == [(last_step, notice + 59 * step)]
+    assert notice + grace - 3 * 2 * step <= exits[0][1] < notice + grace
     saves = [r for r in caplog.records if "preemption checkpoint written" in r.getMessage()]
-    assert len(saves) == 2  # the first agreed step, then the last one before the deadline
-    assert torch.load(handler.path, weights_only=True)["total_run_calls"] == exits[0]
-    assert exits[0] > 2
+    # The first agreed step (the one after the notice), then the last one before the end.
+    assert [r.getMessage().rsplit("after ", 1)[1] for r in saves] == \
+        [f"{steps_before_notice + 1} steps.", f"{last_step} steps."]
+    assert torch.load(handler.path, weights_only=True)["total_run_calls"] == last_step
 
 
 def test_save_fn_replaces_the_write_and_gets_the_arguments(tmp_path):

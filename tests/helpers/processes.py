@@ -1,5 +1,6 @@
 """Starting a program as a user would, and telling whether its processes still run."""
 import os
+import time
 
 # Variables a launcher sets; a test that starts a program "from a plain shell" removes them
 # so the program does not think it was launched (the suite itself may run under one).
@@ -28,3 +29,29 @@ def alive(pid):
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def sleep_then_mark(outdir, seconds):
+    """In a replica that should be ended by its launcher: records this process's id in
+    `outdir`/sleeper.pid, sleeps `seconds`, and writes `outdir`/woke if it ever gets there.
+    `assert_ended_not_awaited` then tells "ended by the launcher" from "waited for", by the
+    order of events rather than by a clock."""
+    with open(os.path.join(outdir, "sleeper.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(seconds)
+    with open(os.path.join(outdir, "woke"), "w"):
+        pass
+
+
+def assert_ended_not_awaited(outdir, bound_seconds=60):
+    """The process of `sleep_then_mark` was ended before its sleep was over: it never woke,
+    and it is gone (polled up to `bound_seconds`, a hang guard: reaping is asynchronous)."""
+    assert not os.path.exists(os.path.join(outdir, "woke")), \
+        "the launcher waited for the sleeping replica instead of ending it"
+    with open(os.path.join(outdir, "sleeper.pid")) as f:
+        pid = int(f.read())
+    deadline = time.monotonic() + bound_seconds
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(pid), f"the sleeping replica (pid {pid}) outlived its launcher"
+    assert not os.path.exists(os.path.join(outdir, "woke"))

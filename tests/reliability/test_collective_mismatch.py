@@ -8,12 +8,11 @@
   program (uneven input), not only that it died;
 - a collective timeout names the replica that did not arrive.
 """
-import time
-
 import pytest
 import torch
 
 import torchstrategy as ts
+from tests.helpers.processes import assert_ended_not_awaited, sleep_then_mark
 from tests.helpers.replicas import from_every_replica
 from torchstrategy.collectives.communicator import CollectiveError
 
@@ -101,18 +100,18 @@ def test_a_replica_taking_one_extra_step_is_told_the_other_ended_its_program():
     assert "not responding" not in message
 
 
-def late_replica():
+def late_replica(outdir):
     strategy = ts.MirroredStrategy()
     if strategy.extended.replica_id == 0:
-        time.sleep(30)  # stuck outside any collective, longer than the timeout
+        # Stuck outside any collective, far longer than the timeout.
+        sleep_then_mark(outdir, 100)
     strategy.reduce("SUM", torch.ones(2), axis=None)
 
 
-def test_a_timeout_names_the_replica_that_did_not_arrive():
-    start = time.monotonic()
+def test_a_timeout_names_the_replica_that_did_not_arrive(tmp_path):
     with pytest.raises(CollectiveError) as caught:
-        ts.launch(late_replica, num_replicas=2, timeout_seconds=3)
+        ts.launch(late_replica, str(tmp_path), num_replicas=2, timeout_seconds=3)
     message = str(caught.value)
     assert "on replica 1 did not complete within the strategy's timeout" in message, message
     assert "Missing: replica 0 is not responding (died or stuck)." in message, message
-    assert time.monotonic() - start < 25
+    assert_ended_not_awaited(tmp_path)   # the late replica was ended, not waited for

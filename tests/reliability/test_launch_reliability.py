@@ -85,7 +85,7 @@ def test_killed_launch_parent_leaves_no_replica_and_store_is_loopback_only(tmp_p
         # Item 8: the parent is killed (only it, not its process group).
         os.kill(process.pid, sig)
         process.wait(timeout=30)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30   # a hang guard: the replicas poll for their parent
         while time.monotonic() < deadline and any(alive(p) for p in pids):
             time.sleep(0.1)
         survivors = [p for p in pids if alive(p)]

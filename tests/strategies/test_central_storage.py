@@ -250,8 +250,11 @@ def test_merge_fn_runs_in_cross_replica_context_without_a_second_rendezvous():
     torch.testing.assert_close(model.weight.detach(), before - 1.0)
 
 
+@pytest.mark.timeout(120)
 def test_error_in_one_replica_propagates_without_deadlock():
-    strategy = cpu_strategy(2, timeout_seconds=60)
+    # A collective timeout far beyond this test's time limit: replica 0, waiting in
+    # backward's gradient sum, can only be released by replica 1's error.
+    strategy = cpu_strategy(2, timeout_seconds=3600)
     with strategy.scope():
         model = nn.Linear(2, 1)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -264,10 +267,8 @@ def test_error_in_one_replica_propagates_without_deadlock():
         model(torch.ones(1, 2)).sum().backward()
         optimizer.step()
 
-    start = time.monotonic()
     with pytest.raises(KeyError, match="replica 1 broke"):
         strategy.run(fn)
-    assert time.monotonic() - start < 30   # released at once, not after the 60 s timeout
     assert not [t for t in threading.enumerate() if t.name.startswith("torchstrategy-replica")]
     # The strategy still works afterwards.
     out = strategy.run(lambda: ts.get_replica_context().all_reduce("SUM", torch.ones(1)))
