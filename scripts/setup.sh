@@ -14,9 +14,11 @@ PY="$VENV/bin/python"
 
 # Pin torch first and on its own: anything that depends on torch then sees it satisfied and
 # never pulls the multi-GB CUDA build.
-want_deps="torch==2.13.0 numpy pytest pytest-timeout tqdm scikit-learn setuptools wheel ninja cloudpickle"
+want_deps="torch==2.13.0 numpy pytest pytest-timeout pytest-xdist tqdm scikit-learn setuptools wheel ninja cloudpickle"
 # Lightning adapter (torchstrategy.lightning): both package names Lightning ships under.
 want_deps="$want_deps lightning pytorch-lightning torchmetrics"
+# The type checker scripts/test.sh runs over torchstrategy/ ([tool.mypy] in pyproject.toml).
+want_deps="$want_deps mypy"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want_deps" ]; then
   "$PY" -m pip install -q --upgrade pip
   "$PY" -m pip install -q torch==2.13.0

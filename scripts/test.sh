@@ -4,6 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PYTHONUNBUFFERED=1
+# Types first: a wrong annotation fails the run before the slow suite starts.
+.venv/bin/python -m mypy torchstrategy
 # Bound every collective in the suite: a bug fails fast instead of hanging CI.
 export TORCHSTRATEGY_TIMEOUT_SECONDS=${TORCHSTRATEGY_TIMEOUT_SECONDS:-120}
 .venv/bin/python -m pytest -q "$@"

@@ -9,6 +9,10 @@ Checked against: torch 2.13.0 (CPU; the core environment), torch 2.9.0 with torc
 paths), lightning / pytorch-lightning 2.5-2.6. The C++ side has its own equivalent,
 csrc/compat.h.
 """
+from __future__ import annotations
+
+from typing import Any, Callable
+
 import torch
 import torch.distributed as dist
 from torch.distributed import rpc
@@ -23,10 +27,11 @@ tree_flatten = _pytree.tree_flatten
 tree_unflatten = _pytree.tree_unflatten
 tree_map = _pytree.tree_map
 tree_map_only = _pytree.tree_map_only
+TreeSpec = _pytree.TreeSpec
 
 
 # -- c10d (torch 2.4 - 2.13) --------------------------------------------------------
-def default_process_group():
+def default_process_group() -> dist.ProcessGroup:
     """The default `ProcessGroup` object (the C++ reducer launches on it directly).
 
     `torch.distributed.group.WORLD` is the public handle, but in torch <= 2.13 it is a
@@ -36,7 +41,7 @@ def default_process_group():
     return dist.distributed_c10d._get_default_group()
 
 
-def default_store():
+def default_store() -> dist.Store | None:
     """The default group's rendezvous store (`None` when there is none), for the roll call
     that names the replicas missing after a failed collective. There is no public getter."""
     try:
@@ -46,14 +51,14 @@ def default_store():
 
 
 # -- tensors (torch 2.4 - 2.13) ------------------------------------------------------
-def tensor_use_count(tensor):
+def tensor_use_count(tensor: torch.Tensor) -> int:
     """How many owners the tensor's storage handle has (`Tensor._use_count`): > 1 while a
     backend thread still holds a buffer a collective was given. No public equivalent."""
-    return tensor._use_count()
+    return tensor._use_count()  # type: ignore[attr-defined]  # private: not in torch's stubs
 
 
 # -- autograd (torch 2.4 - 2.13) ----------------------------------------------------
-def queue_autograd_callback(callback):
+def queue_autograd_callback(callback: Callable[[], None]) -> None:
     """Runs `callback()` when the backward pass now executing has finished (all gradients of
     this pass accumulated). Only legal inside a backward hook. The execution engine's
     ``queue_callback`` is the only way to act at the end of a backward pass; there is no
@@ -62,7 +67,7 @@ def queue_autograd_callback(callback):
 
 
 # -- nn.Module (torch 2.4 - 2.13) ----------------------------------------------------
-def module_buffer(module, name):
+def module_buffer(module: torch.nn.Module, name: str) -> torch.Tensor | None:
     """The buffer `name` registered directly on `module` (None if absent or None).
 
     `module.get_buffer` raises for a buffer set to None and walks dotted paths; reading the
@@ -72,7 +77,7 @@ def module_buffer(module, name):
     return module._buffers.get(name)
 
 
-def module_persistent_buffers(module):
+def module_persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of the buffers registered directly on `module` that its
     ``state_dict()`` saves (non-persistent ones excluded), in registration order."""
     return [(name, tensor) for name, tensor in module._buffers.items()
@@ -80,21 +85,21 @@ def module_persistent_buffers(module):
 
 
 # -- torch.optim (torch 2.4 - 2.13) --------------------------------------------------
-def mark_optimizer_stepped(optimizer):
+def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
     """Tells torch's LR schedulers that `optimizer.step()` ran (it ran on the parameter
     servers, not here), so they do not warn that the scheduler stepped first."""
-    optimizer._opt_called = True
+    optimizer._opt_called = True  # type: ignore[attr-defined]  # private: not in torch's stubs
 
 
 # -- torch.distributed.rpc (torch 2.4 - 2.13) ----------------------------------------
-def current_rpc_agent():
+def current_rpc_agent() -> Any:
     """This process's rpc agent. Dynamic membership (a worker that rejoins, a dead worker
     dropped) has no public API: the agent's worker registry is read and updated directly."""
     return rpc.api._get_current_rpc_agent()
 
 
 # -- torch_xla (2.9.0) -----------------------------------------------------------------
-def xla_local_shards(tensor):
+def xla_local_shards(tensor: torch.Tensor) -> tuple[list[Any], list[Any]]:
     """The local shards of a sharded XLA tensor and, for each, (replica, index) of where it
     sits in the global tensor. torch_xla 2.9 has no public accessor for both."""
     import torch_xla  # optional dependency: only the TPU strategy calls this
@@ -104,7 +109,7 @@ def xla_local_shards(tensor):
     return shards, places
 
 
-def xla_sharding_spec(tensor):
+def xla_sharding_spec(tensor: torch.Tensor) -> str:
     """The sharding annotation of an XLA tensor as text ('' when replicated/unsharded)."""
     import torch_xla  # optional dependency: only the TPU strategy calls this
 
@@ -112,7 +117,7 @@ def xla_sharding_spec(tensor):
 
 
 # -- Lightning (2.5 - 2.6; both `lightning.pytorch` and `pytorch_lightning`) --------------
-def lightning_multiprocessing_launcher(package):
+def lightning_multiprocessing_launcher(package: str) -> type:
     """Lightning's own spawn launcher class (`_MultiProcessingLauncher`) in `package`
     ("lightning.pytorch" or "pytorch_lightning"): the notebook-mode adapter starts its
     replicas with it, as Lightning's ddp_notebook does. It is private in every release."""
@@ -123,7 +128,7 @@ def lightning_multiprocessing_launcher(package):
 
 
 # -- torch.distributed.rpc, parameter-server membership (torch 2.13.0) -----------------
-def rpc_forget_member(agent, name, rank):
+def rpc_forget_member(agent: Any, name: str, rank: int) -> None:
     """Removes the dead member `name` (`rank`) from `agent`'s worker registry, so a restarted
     process with the same name can join. torch has no public API to leave a dynamic rpc
     group on behalf of a dead peer; `_update_group_membership(info, [], {}, False)` is what
@@ -131,7 +136,7 @@ def rpc_forget_member(agent, name, rank):
     agent._update_group_membership(rpc.WorkerInfo(name, rank), [], {}, False)
 
 
-def reset_rpc_init_counter():
+def reset_rpc_init_counter() -> None:
     """Resets the count of ``init_rpc`` calls in this process. rpc keeps a group's state in
     the store under ``rpc_prefix_<count>/``; every member of one cluster must use the same
     prefix, and a process that joined a cluster before would otherwise use another one.
@@ -139,7 +144,8 @@ def reset_rpc_init_counter():
     rpc._init_counter = 0
 
 
-def tensorpipe_tcp_options(init_method, rpc_timeout, num_worker_threads):
+def tensorpipe_tcp_options(init_method: str, rpc_timeout: float, num_worker_threads: int
+                           ) -> rpc.TensorPipeRpcBackendOptions:
     """TensorPipe options restricted to the "uv" (TCP) transport and the "basic" channel, so
     an rpc world opens nothing but TCP listeners on the chosen interface. The transport and
     channel lists are private keyword arguments (`_transports`, `_channels`; checked: torch
@@ -149,7 +155,8 @@ def tensorpipe_tcp_options(init_method, rpc_timeout, num_worker_threads):
         num_worker_threads=num_worker_threads, _transports=["uv"], _channels=["basic"])
 
 
-def lightning_optimizers_to_device(package, optimizers, device):
+def lightning_optimizers_to_device(package: str, optimizers: list[torch.optim.Optimizer],
+                                   device: torch.device) -> None:
     """Moves the optimizers' state to `device`, as Lightning's own strategies do after
     ``setup_optimizers`` (``_optimizers_to_device`` of lightning.fabric /
     lightning_fabric, private in every release)."""
@@ -161,7 +168,7 @@ def lightning_optimizers_to_device(package, optimizers, device):
         optimizers, device)
 
 
-def lightning_restore_from_checkpoint(trainer, path):
+def lightning_restore_from_checkpoint(trainer: Any, path: str) -> None:
     """Starts Lightning's resume (what ``fit(ckpt_path=path)`` does) from a callback's
     ``setup``, where the path is first known: loads the checkpoint and restores model and
     callbacks; the Trainer then restores loops, optimizers and schedulers from it. The

@@ -6,16 +6,20 @@ torchstrategy`` fail: the torch_xla environment (another torch, no build) import
 for TPUStrategy, which never packs. The first `pack` / `unpack` there raises the ImportError
 below instead.
 """
+from __future__ import annotations
+
+from typing import Any, Sequence
+
 import torch
 
 try:
     from torchstrategy import _C  # noqa: F401  (registers the ops)
-    _load_error = None
+    _load_error: ImportError | None = None
 except ImportError as error:
     _load_error = error
 
 
-def _require_extension():
+def _require_extension() -> None:
     if _load_error is not None:
         raise ImportError(
             "torchstrategy's compiled extension (torchstrategy._C) is missing or was built "
@@ -24,13 +28,14 @@ def _require_extension():
         ) from _load_error
 
 
-def make_reducer(*args):
+def make_reducer(*args: Any) -> Any:
     """A ``torchstrategy._C.Reducer`` (the gradient reducer's hot path, csrc/reducer.cpp)."""
     _require_extension()
     return _C.Reducer(*args)
 
 
-def pack(flat, tensors, offsets, numels, scale=1.0):
+def pack(flat: torch.Tensor, tensors: Sequence[torch.Tensor | None], offsets: Sequence[int],
+         numels: Sequence[int], scale: float = 1.0) -> None:
     """Writes ``scale * tensors[i]`` into ``flat[offsets[i]:offsets[i] + numels[i]]``.
 
     A None entry writes zeros. Sources of another dtype or layout are converted.
@@ -39,7 +44,8 @@ def pack(flat, tensors, offsets, numels, scale=1.0):
     torch.ops.torchstrategy.pack(flat, tensors, offsets, numels, float(scale))
 
 
-def unpack(flat, tensors, offsets, scale=1.0, accumulate=False):
+def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int],
+           scale: float = 1.0, accumulate: bool = False) -> None:
     """Writes ``scale * flat[offsets[i]:...]`` into each ``tensors[i]`` in place (added to
     it when `accumulate`)."""
     _require_extension()

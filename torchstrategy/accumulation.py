@@ -18,16 +18,22 @@ group of an epoch may be shorter: it is scaled by its own size.
         per_example = F.cross_entropy(model(x), y, reduction="none")
         micro.compute_average_loss(per_example).backward()  # or micro.scale_mean_loss(loss)
 """
+from __future__ import annotations
+
 import contextlib
 import numbers
+from types import TracebackType
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
 from torchstrategy import losses, nest, values
+from torchstrategy.context import AnyStrategy
 from torchstrategy.reduce_op import ReduceOp
 
 
-def accumulate(strategy, batches, steps):
+def accumulate(strategy: AnyStrategy, batches: Iterable[Any], steps: int
+               ) -> Iterator[MicroBatch]:
     """Iterates `batches` as `MicroBatch`es in groups of `steps` (the last group of a
     finite iterable may be shorter).
 
@@ -62,7 +68,8 @@ def accumulate(strategy, batches, steps):
     return _groups(strategy, iterator, int(steps))
 
 
-def _groups(strategy, iterator, steps):
+def _groups(strategy: AnyStrategy, iterator: Iterator[Any], steps: int
+            ) -> Iterator[MicroBatch]:
     while True:
         group = []
         for batch in iterator:
@@ -78,7 +85,7 @@ def _groups(strategy, iterator, steps):
             return
 
 
-def _local_examples(batch):
+def _local_examples(batch: Any) -> list[int]:
     """Examples in this process's parts of `batch` (dim 0 of each part's first tensor)."""
     parts = batch.values if isinstance(batch, values.DistributedValues) else None
     if parts is None:
@@ -100,7 +107,7 @@ def _local_examples(batch):
     return counts
 
 
-def _global_examples(strategy, group):
+def _global_examples(strategy: AnyStrategy, group: Sequence[Any]) -> float:
     """Examples in the whole group summed over every replica (one all-reduce)."""
     per_part = [_local_examples(batch) for batch in group]
     totals = [float(sum(column)) for column in zip(*per_part)]
@@ -126,38 +133,44 @@ class MicroBatch:
     gives the same gradients.
     """
 
-    def __init__(self, strategy, batch, index, group_size, group_examples):
+    def __init__(self, strategy: AnyStrategy, batch: Any, index: int, group_size: int,
+                 group_examples: float) -> None:
         self.batch = batch
         self.index = index
         self.group_size = group_size
         self.is_last = index == group_size - 1
         self.group_examples = group_examples
         self._strategy = strategy
-        self._stack = None
+        self._stack: contextlib.ExitStack | None = None
 
-    def __enter__(self):
+    def __enter__(self) -> MicroBatch:
         self._stack = contextlib.ExitStack()
         if not self.is_last:
             self._stack.enter_context(self._strategy.extended.no_sync())
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 traceback: TracebackType | None) -> bool | None:
         stack, self._stack = self._stack, None
-        return stack.__exit__(*exc)
+        if stack is None:
+            raise RuntimeError("MicroBatch.__exit__ called without __enter__ (use `with micro:`).")
+        return stack.__exit__(kind, value, traceback)
 
-    def compute_average_loss(self, per_example_loss, sample_weight=None):
+    def compute_average_loss(self, per_example_loss: torch.Tensor,
+                             sample_weight: torch.Tensor | float | None = None
+                             ) -> torch.Tensor:
         """``ts.compute_average_loss`` over the whole group: ``sum(loss * weight)`` divided
         by `group_examples`, so the group's summed gradients are those of the mean loss
         over all its examples on every replica (one device on the large batch)."""
         return losses.compute_average_loss(per_example_loss, sample_weight,
                                            global_batch_size=self.group_examples)
 
-    def scale_mean_loss(self, loss):
+    def scale_mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``ts.scale_mean_loss(loss) / group_size``: a per-replica mean loss scaled as a
         DDP loop with accumulation does (``loss / gradient_accumulation_steps``, averaged
         over replicas), the short last group by its own size."""
         return losses.scale_mean_loss(loss) / self.group_size
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"MicroBatch(index={self.index}, group_size={self.group_size}, "
                 f"group_examples={self.group_examples:g})")

@@ -2,7 +2,11 @@
 step, as tf.distribute names them. Plain data (layer 1): `reduce_op` and `variables` both use
 them.
 """
+from __future__ import annotations
+
 import enum
+from typing import TypeVar
+
 
 
 class VariableAggregation(enum.Enum):
@@ -15,6 +19,7 @@ class VariableAggregation(enum.Enum):
     ONLY_FIRST_REPLICA = "ONLY_FIRST_REPLICA"
 
 
+
 class VariableSynchronization(enum.Enum):
     """When copies are synchronised: AUTO/ON_WRITE (mirrored: at every update), ON_READ
     (when read in cross-replica context), NONE (never: a per-replica variable)."""
@@ -25,7 +30,10 @@ class VariableSynchronization(enum.Enum):
     ON_READ = "ON_READ"
 
 
-def as_enum(kind, value, name):
+_Enum = TypeVar("_Enum", bound=enum.Enum)
+
+
+def as_enum(kind: type[_Enum], value: _Enum | str, name: str) -> _Enum:
     """`value` as a member of the enum `kind` (a member, or its name in any case).
 
     Raises:

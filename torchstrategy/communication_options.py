@@ -1,7 +1,10 @@
 """`CommunicationOptions`: how the multi-worker strategy's collectives run (TensorFlow's names)."""
+from __future__ import annotations
+
 import enum
 import numbers
 import warnings
+from typing import Callable
 
 from torchstrategy.collectives.compression import check_compression
 
@@ -19,7 +22,7 @@ class CommunicationImplementation(enum.Enum):
     NCCL = "NCCL"
 
 
-def backend_for(implementation, device_type):
+def backend_for(implementation: CommunicationImplementation, device_type: str) -> str:
     """The torch.distributed backend that carries `implementation` between replicas on
     `device_type` devices: "nccl" or "gloo".
 
@@ -61,8 +64,9 @@ class CommunicationOptions:
       ValueError / TypeError: naming the bad argument.
     """
 
-    def __init__(self, bytes_per_pack=0, timeout_seconds=None,
-                 implementation=CommunicationImplementation.AUTO, compression=None):
+    def __init__(self, bytes_per_pack: int = 0, timeout_seconds: float | None = None,
+                 implementation: CommunicationImplementation | str =
+                 CommunicationImplementation.AUTO, compression: str | None = None) -> None:
         if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int) \
                 or bytes_per_pack < 0:
             raise ValueError(f"bytes_per_pack must be a non-negative int (0 = automatic), "
@@ -83,17 +87,18 @@ class CommunicationOptions:
                             f"{implementation!r}.")
         self.bytes_per_pack = bytes_per_pack
         self.timeout_seconds = timeout_seconds
-        self.implementation = implementation
+        self.implementation: CommunicationImplementation = implementation
         self.compression = check_compression(compression)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"CommunicationOptions(bytes_per_pack={self.bytes_per_pack}, "
                 f"timeout_seconds={self.timeout_seconds}, "
                 f"implementation={self.implementation.name}"
                 + (f", compression={self.compression!r})" if self.compression else ")"))
 
 
-def require_default_options(options, refusal):
+def require_default_options(options: CommunicationOptions | None,
+                            refusal: Callable[[CommunicationOptions], str]) -> None:
     """Accepts only ``options=None`` or a `CommunicationOptions` left at its defaults (it
     asks for nothing); for anything else raises ``ValueError(refusal(options))``, where the
     strategy says why it cannot honour it and what to do instead.

@@ -17,8 +17,17 @@ This module knows no strategy class: the default strategy registers a factory fo
 imports it. The stacks below are the only state here; they are bookkeeping of which object
 is active, not distributed state (that belongs to `torchstrategy.runtime`).
 """
+from __future__ import annotations
+
 import contextlib
 import threading
+from typing import Any, Callable, Iterator
+
+# A `Strategy` and a `ReplicaContext`, as the layers below the strategies name them: their
+# classes live in higher layers (strategies/base.py, replica_context.py), which this module
+# must not import.
+AnyStrategy = Any
+AnyReplicaContext = Any
 
 _state = threading.local()  # .stack: this thread's list of _Entry, bottom = the default
 
@@ -26,22 +35,23 @@ _state = threading.local()  # .stack: this thread's list of _Entry, bottom = the
 class _DefaultStrategyRegistry:
     """Where the default strategy's module leaves the factory that makes it (once)."""
 
-    def __init__(self):
-        self.factory = None
-        self.is_default = lambda strategy: False
+    def __init__(self) -> None:
+        self.factory: Callable[[], AnyStrategy] | None = None
+        self.is_default: Callable[[AnyStrategy], bool] = lambda strategy: False
 
 
 _registry = _DefaultStrategyRegistry()
 
 
-def register_default_strategy(factory, is_default):
+def register_default_strategy(factory: Callable[[], AnyStrategy],
+                              is_default: Callable[[AnyStrategy], bool]) -> None:
     """Called by `torchstrategy.strategies.default` at import: `factory()` returns the
     process-wide default strategy, `is_default(strategy)` tells it apart."""
     _registry.factory = factory
     _registry.is_default = is_default
 
 
-def _default_strategy():
+def _default_strategy() -> AnyStrategy:
     if _registry.factory is None:
         raise RuntimeError("torchstrategy's default strategy is not registered: import "
                            "torchstrategy (not only torchstrategy.context).")
@@ -51,12 +61,13 @@ def _default_strategy():
 class _Entry:
     __slots__ = ("strategy", "replica_context")
 
-    def __init__(self, strategy, replica_context):
+    def __init__(self, strategy: AnyStrategy, replica_context: AnyReplicaContext | None
+                 ) -> None:
         self.strategy = strategy
         self.replica_context = replica_context
 
 
-def _stack():
+def _stack() -> list[_Entry]:
     stack = getattr(_state, "stack", None)
     if stack is None:
         strategy = _default_strategy()
@@ -65,12 +76,13 @@ def _stack():
     return stack
 
 
-def _top():
+def _top() -> _Entry:
     return _stack()[-1]
 
 
 @contextlib.contextmanager
-def enter(strategy, replica_context):
+def enter(strategy: AnyStrategy, replica_context: AnyReplicaContext | None
+          ) -> Iterator[None]:
     """Pushes (strategy, replica_context or None for cross-replica) for this thread."""
     stack = _stack()
     stack.append(_Entry(strategy, replica_context))
@@ -80,23 +92,23 @@ def enter(strategy, replica_context):
         stack.pop()
 
 
-def get_strategy():
+def get_strategy() -> AnyStrategy:
     """The strategy active in this thread: the innermost ``scope()`` or ``run``, else the
     default strategy. Never None."""
     return _top().strategy
 
 
-def has_strategy():
+def has_strategy() -> bool:
     """True when a strategy other than the default one is active."""
     return not _registry.is_default(_top().strategy)
 
 
-def in_cross_replica_context():
+def in_cross_replica_context() -> bool:
     """True inside ``strategy.scope()`` (or ``merge_call``) and outside ``strategy.run``."""
     return _top().replica_context is None
 
 
-def get_replica_context():
+def get_replica_context() -> AnyReplicaContext | None:
     """The current `ReplicaContext`, or None in cross-replica context.
 
     Outside any strategy this is the default strategy's replica context (replica 0 of 1),
@@ -105,13 +117,13 @@ def get_replica_context():
     return _top().replica_context
 
 
-def get_cross_replica_context():
+def get_cross_replica_context() -> AnyStrategy | None:
     """The active strategy when in cross-replica context, else None."""
     top = _top()
     return top.strategy if top.replica_context is None else None
 
 
-def in_run():
+def in_run() -> bool:
     """True when some ``strategy.run`` (not the default replica context) is executing."""
     for entry in _stack()[1:]:
         if entry.replica_context is not None:
@@ -119,7 +131,7 @@ def in_run():
     return False
 
 
-def active_non_default_strategy():
+def active_non_default_strategy() -> AnyStrategy | None:
     """The innermost non-default strategy active in this thread, or None."""
     for entry in reversed(_stack()):
         if not _registry.is_default(entry.strategy):

@@ -1,5 +1,8 @@
 """Parsing and checking the `devices` argument of the strategies."""
+from __future__ import annotations
+
 import re
+from typing import Iterable
 
 import torch
 
@@ -17,30 +20,30 @@ class ReplicaDevice:
     on the CPU; `torch_device` is ``cpu`` for each of them and `name` tells them apart.
     """
 
-    def __init__(self, kind, index):
+    def __init__(self, kind: str, index: int) -> None:
         self.kind = kind
         self.index = index
 
     @property
-    def name(self):
+    def name(self) -> str:
         return f"{self.kind}:{self.index}"
 
     @property
-    def torch_device(self):
+    def torch_device(self) -> torch.device:
         return torch.device("cpu") if self.kind == "cpu" else torch.device("cuda", self.index)
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, ReplicaDevice) and (self.kind, self.index) == (other.kind,
                                                                                 other.index)
 
-    def __hash__(self):
+    def __hash__(self) -> int:
         return hash((self.kind, self.index))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return self.name
 
 
-def parse_device(spec):
+def parse_device(spec: str | torch.device) -> ReplicaDevice:
     """Parses one device (str or torch.device) into a `ReplicaDevice`.
 
     Raises:
@@ -65,7 +68,8 @@ def parse_device(spec):
                      "TensorFlow's '/gpu:0' form.")
 
 
-def parse_devices(devices):
+def parse_devices(devices: str | torch.device | Iterable[str | torch.device]
+                  ) -> list[ReplicaDevice]:
     """Parses and checks a list of replica devices.
 
     Raises:
@@ -100,7 +104,7 @@ def parse_devices(devices):
     return parsed
 
 
-def default_local_devices():
+def default_local_devices() -> list[ReplicaDevice]:
     """Every local GPU, or one CPU replica when there is none (as TensorFlow does)."""
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
         return [ReplicaDevice("cuda", i) for i in range(torch.cuda.device_count())]

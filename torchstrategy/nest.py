@@ -3,26 +3,30 @@
 Built on torch's pytree (through _compat), the structure library torch itself uses, so every
 container torch knows (including user-registered ones) works here too.
 """
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
 import torch
 from torchstrategy import _compat
 
 
-def flatten(structure):
+def flatten(structure: Any) -> tuple[list[Any], _compat.TreeSpec]:
     """Returns ``(leaves, spec)``; `pack(spec, leaves)` rebuilds the structure."""
     return _compat.tree_flatten(structure)
 
 
-def pack(spec, leaves):
+def pack(spec: _compat.TreeSpec, leaves: Iterable[Any]) -> Any:
     """Inverse of `flatten`."""
     return _compat.tree_unflatten(list(leaves), spec)
 
 
-def map_structure(fn, structure):
+def map_structure(fn: Callable[..., Any], structure: Any) -> Any:
     """Applies `fn` to every leaf, keeping the structure."""
     return _compat.tree_map(fn, structure)
 
 
-def tensor_leaves(structure, what):
+def tensor_leaves(structure: Any, what: str) -> tuple[list[torch.Tensor], _compat.TreeSpec]:
     """Flattens `structure` and checks that every leaf is a tensor (or a Python number,
     converted to a tensor).
 
@@ -43,7 +47,7 @@ def tensor_leaves(structure, what):
     return out, spec
 
 
-def check_axis(tensor, axis, index):
+def check_axis(tensor: torch.Tensor, axis: int, index: int) -> None:
     """Refuses an `axis` that is not a dimension of `tensor` (leaf `index` of a structure;
     a 0-dim tensor has none).
 
@@ -55,7 +59,7 @@ def check_axis(tensor, axis, index):
                          f"{tuple(tensor.shape)}.")
 
 
-def check_gatherable(tensor, axis, index):
+def check_gatherable(tensor: torch.Tensor, axis: int, index: int) -> None:
     """Refuses to gather a 0-dim tensor (leaf `index`) along `axis`.
 
     Raises:

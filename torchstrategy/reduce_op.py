@@ -1,4 +1,6 @@
 """`ReduceOp`: how values from several replicas are combined, as in tf.distribute."""
+from __future__ import annotations
+
 import enum
 
 import torch
@@ -17,7 +19,7 @@ class ReduceOp(enum.Enum):
     MEAN = "MEAN"
 
     @staticmethod
-    def from_variable_aggregation(aggregation):
+    def from_variable_aggregation(aggregation: VariableAggregation) -> ReduceOp:
         """The reduce op matching a `VariableAggregation` (SUM or MEAN), as TensorFlow maps it."""
         mapping = {VariableAggregation.SUM: ReduceOp.SUM, VariableAggregation.MEAN: ReduceOp.MEAN}
         if aggregation not in mapping:
@@ -26,7 +28,7 @@ class ReduceOp(enum.Enum):
         return mapping[aggregation]
 
 
-def as_reduce_op(op):
+def as_reduce_op(op: ReduceOp | str) -> ReduceOp:
     """Returns `op` as a `ReduceOp`; accepts a `ReduceOp` or "SUM"/"MEAN" in any case.
 
     Raises:
@@ -40,7 +42,7 @@ def as_reduce_op(op):
                      "(or the strings 'SUM' / 'MEAN').")
 
 
-def mean_dtype(dtype):
+def mean_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype ``MEAN`` of `dtype` values gives: floating and complex dtypes keep theirs;
     integers give a floating result, as TensorFlow's true division makes it (int8, uint8,
     int16: float32; wider integers: float64, exact for counts up to 2**53).
@@ -56,7 +58,7 @@ def mean_dtype(dtype):
     return torch.float32 if dtype in (torch.int8, torch.uint8, torch.int16) else torch.float64
 
 
-def as_mean_input(op, tensor):
+def as_mean_input(op: ReduceOp, tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` ready to be averaged by `op`: for ``MEAN`` of an integer tensor, converted to
     `mean_dtype` (the sum is then exact and the division a true division); otherwise as it
     is.
@@ -70,7 +72,7 @@ def as_mean_input(op, tensor):
     return tensor if dtype == tensor.dtype else tensor.to(dtype)
 
 
-def check_mean_dtype(op, tensor):
+def check_mean_dtype(op: ReduceOp, tensor: torch.Tensor) -> None:
     """Refuses ``MEAN`` of an integer or bool tensor where a collective cannot change the
     dtype it returns (``ReplicaContext.all_reduce``, fused all-reduces in place);
     ``strategy.reduce`` converts integers first (see `as_mean_input`).

@@ -1,5 +1,13 @@
 """`ReplicaContext`: what code inside ``strategy.run`` can ask of its replica."""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+
 from torchstrategy import context, values
+from torchstrategy.communication_options import CommunicationOptions
+from torchstrategy.reduce_op import ReduceOp
 
 
 class ReplicaContext:
@@ -10,34 +18,36 @@ class ReplicaContext:
     any SPMD collective; each is bounded by the strategy's timeout.
     """
 
-    def __init__(self, strategy, replica_id_in_sync_group, device):
+    def __init__(self, strategy: context.AnyStrategy, replica_id_in_sync_group: int,
+                 device: torch.device) -> None:
         self._strategy = strategy
         self._replica_id = replica_id_in_sync_group
         self._device = device
 
     @property
-    def strategy(self):
+    def strategy(self) -> context.AnyStrategy:
         return self._strategy
 
     @property
-    def replica_id_in_sync_group(self):
+    def replica_id_in_sync_group(self) -> int:
         """This replica's index in ``range(num_replicas_in_sync)`` (a Python int)."""
         return self._replica_id
 
     @property
-    def num_replicas_in_sync(self):
+    def num_replicas_in_sync(self) -> int:
         return self._strategy.num_replicas_in_sync
 
     @property
-    def device(self):
+    def device(self) -> torch.device:
         """The `torch.device` this replica computes on."""
         return self._device
 
     @property
-    def devices(self):
+    def devices(self) -> tuple[torch.device, ...]:
         return (self._device,)
 
-    def all_reduce(self, reduce_op, value, options=None):
+    def all_reduce(self, reduce_op: ReduceOp | str, value: Any,
+                   options: CommunicationOptions | None = None) -> Any:
         """Reduces `value` (a tensor or nested structure of tensors) across replicas and
         returns the result, identical on every replica, on this replica's device.
 
@@ -47,13 +57,15 @@ class ReplicaContext:
         """
         return self._strategy.extended.replica_all_reduce(reduce_op, value, options)
 
-    def all_gather(self, value, axis, options=None):
+    def all_gather(self, value: Any, axis: int,
+                   options: CommunicationOptions | None = None) -> Any:
         """Concatenates `value` (tensor or structure) from every replica along `axis`, in
         replica order. Sizes along `axis` may differ between replicas. `options` as in
         `all_reduce`."""
         return self._strategy.extended.replica_all_gather(value, axis, options)
 
-    def merge_call(self, merge_fn, args=(), kwargs=None):
+    def merge_call(self, merge_fn: Callable[..., Any], args: tuple[Any, ...] = (),
+                   kwargs: Mapping[str, Any] | None = None) -> Any:
         """Calls ``merge_fn(strategy, *args, **kwargs)`` in cross-replica context.
 
         As in TensorFlow, the arguments reach `merge_fn` as distributed values (PerReplica)
@@ -68,6 +80,6 @@ class ReplicaContext:
             result = merge_fn(self._strategy, *args, **kwargs)
         return values.local_component(result)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"ReplicaContext(replica_id_in_sync_group={self._replica_id}, "
                 f"num_replicas_in_sync={self.num_replicas_in_sync})")

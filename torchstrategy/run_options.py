@@ -32,7 +32,8 @@ class RunOptions:
 DEFAULT_RUN_OPTIONS = RunOptions()  # frozen: shared by every run without options
 
 
-def check_run_options(options, strategy_name, compiles_with_xla=False):
+def check_run_options(options: RunOptions | None, strategy_name: str,
+                      compiles_with_xla: bool = False) -> RunOptions:
     """Returns `options` (a `RunOptions`, None meaning the defaults) after refusing every
     value `strategy_name` cannot honour.
 

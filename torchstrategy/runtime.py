@@ -25,6 +25,8 @@ Shutdown happens once, at interpreter exit (or `shutdown()`), in this order:
 Nothing happens at import: the first strategy that needs a world creates the runtime; no
 thread, socket or exit handler exists before.
 """
+from __future__ import annotations
+
 import datetime
 import logging
 import os
@@ -34,15 +36,20 @@ import threading
 import time
 import atexit
 import weakref
+from typing import Any, Callable, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from torchstrategy import _compat
 from torchstrategy.cluster_resolver import detect
+from torchstrategy.cluster_resolver.base import ClusterResolver
 from torchstrategy.launch import reexec, rendezvous
 from torchstrategy.launch import world as world_lib
 
 logger = logging.getLogger("torchstrategy")
+
+_T = TypeVar("_T")
 
 
 class Runtime:
@@ -51,30 +58,31 @@ class Runtime:
     Obtain it with ``torchstrategy.runtime.current()``; never construct one yourself.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._world = None
-        self._supervisor = None
+        self._world: world_lib.World | None = None
+        self._supervisor: reexec.Supervisor | None = None
         self._watching_parent = False
         self._owns_group = False
-        self._held = []
+        self._held: list[torch.Tensor] = []
         self._held_lock = threading.Lock()
-        self._reducers = weakref.WeakSet()
-        self._callbacks = []          # (name, fn) run at shutdown, last first
-        self._installed = set()       # keys of one-time process-wide installs
-        self._state = {}              # key -> state object of a higher layer
+        self._reducers: weakref.WeakSet[Any] = weakref.WeakSet()
+        # (name, fn) run at shutdown, last first
+        self._callbacks: list[tuple[str, Callable[[], Any]]] = []
+        self._installed: set[str] = set()   # keys of one-time process-wide installs
+        self._state: dict[str, Any] = {}    # key -> state object of a higher layer
         self._exit_handler_registered = False
         self._shut_down = False
         self._announced = False       # announce_finished ran
-        self._store = None            # the store our process group was made with
+        self._store: dist.Store | None = None  # the store our process group was made with
 
     # -- the world ------------------------------------------------------------------
     @property
-    def world(self):
+    def world(self) -> world_lib.World | None:
         """The `World` this process belongs to, or None before any strategy made one."""
         return self._world
 
-    def adopt_world(self, world):
+    def adopt_world(self, world: world_lib.World) -> world_lib.World:
         """Records `world` as this process's world (a second strategy joins it instead of
         launching again). Re-executed replicas start watching their replica 0 here."""
         with self._lock:
@@ -84,7 +92,8 @@ class Runtime:
                 reexec.watch_parent()
         return world
 
-    def start_local_replicas(self, num_replicas, timeout_seconds, **multi_machine):
+    def start_local_replicas(self, num_replicas: int, timeout_seconds: float,
+                             **multi_machine: Any) -> world_lib.World:
         """Becomes replica 0 of `num_replicas` local replicas by re-executing this program
         (see `torchstrategy.launch.reexec.start_local_replicas`); returns the `World`."""
         with self._lock:
@@ -97,7 +106,8 @@ class Runtime:
             return self.adopt_world(world)
 
     # -- the process group ------------------------------------------------------------
-    def init_process_group(self, world, backend, timeout_seconds):
+    def init_process_group(self, world: world_lib.World, backend: str,
+                           timeout_seconds: float) -> None:
         """Creates (or adopts) the default process group for `world`; returns None, which
         torch.distributed reads as "the default group".
 
@@ -150,13 +160,13 @@ class Runtime:
             self._store = store
         return None
 
-    def rendezvous_store(self):
+    def rendezvous_store(self) -> dist.Store | None:
         """The store for torchstrategy's own keys about this world (roll calls, the end of
         a replica's program): the one our process group was made with, else the default
         group's (torch's env:// or an adopted group), else None (no group)."""
         return self._store if self._store is not None else _compat.default_store()
 
-    def release_process_group(self):
+    def release_process_group(self) -> None:
         """Destroys the default process group if there is one (idempotent), once the backend
         has let go of every buffer our collectives gave it and no reducer references it."""
         self.wait_until_released()
@@ -167,7 +177,7 @@ class Runtime:
         self._store = None
 
     # -- buffers in flight -----------------------------------------------------------
-    def hold(self, *buffers):
+    def hold(self, *buffers: torch.Tensor) -> None:
         """Keeps `buffers` referenced until no collective uses them any more.
 
         gloo's worker thread drops its reference to a finished collective a moment after
@@ -179,7 +189,7 @@ class Runtime:
             self._held[:] = [b for b in self._held if _compat.tensor_use_count(b) > 1]
             self._held.extend(buffers)
 
-    def wait_until_released(self, timeout_seconds=10.0):
+    def wait_until_released(self, timeout_seconds: float = 10.0) -> bool:
         """Waits (bounded) until the backend has released every held buffer; returns
         whether it did."""
         deadline = time.monotonic() + timeout_seconds
@@ -193,12 +203,12 @@ class Runtime:
             time.sleep(0.001)
 
     # -- reducers ---------------------------------------------------------------------
-    def track_reducer(self, reducer):
+    def track_reducer(self, reducer: Any) -> None:
         """`reducer.close()` is called before the process group is destroyed."""
         self._reducers.add(reducer)
 
     # -- higher layers' state and clean-up ----------------------------------------------
-    def state(self, key, factory):
+    def state(self, key: str, factory: Callable[[], _T]) -> _T:
         """The per-process state object of a higher layer, created by `factory()` on first
         use (e.g. the parameter-server's variables on a server process)."""
         with self._lock:
@@ -206,7 +216,7 @@ class Runtime:
                 self._state[key] = factory()
             return self._state[key]
 
-    def install_once(self, key, install):
+    def install_once(self, key: str, install: Callable[[], Any]) -> None:
         """Calls `install()` the first time `key` is seen in this process (process-wide
         hooks, e.g. torch's global module registration hooks)."""
         with self._lock:
@@ -215,7 +225,7 @@ class Runtime:
             install()
             self._installed.add(key)
 
-    def on_shutdown(self, name, callback):
+    def on_shutdown(self, name: str, callback: Callable[[], Any]) -> None:
         """Runs `callback()` at shutdown, before the process group is released; callbacks
         run last registered first. Registering the same `name` again replaces nothing and
         adds nothing."""
@@ -226,7 +236,7 @@ class Runtime:
             self._register_exit_handler()
 
     # -- shutdown ---------------------------------------------------------------------
-    def announce_finished(self):
+    def announce_finished(self) -> None:
         """Tells the other replicas, through the rendezvous store, that this one's program
         ended without an uncaught exception, so that a replica still waiting in a
         collective with it can say so (uneven numbers of steps) instead of "another replica
@@ -245,7 +255,7 @@ class Runtime:
         except (RuntimeError, OSError):  # the store's host is gone: nobody left to tell
             pass
 
-    def shutdown(self):
+    def shutdown(self) -> None:
         """Ends this process's distributed life in the documented order (idempotent)."""
         with self._lock:
             if self._shut_down:
@@ -268,7 +278,7 @@ class Runtime:
         elif owns_group:
             self.release_process_group()
 
-    def _register_exit_handler(self):
+    def _register_exit_handler(self) -> None:
         if not self._exit_handler_registered:
             self._exit_handler_registered = True
             atexit.register(self.shutdown)
@@ -277,16 +287,16 @@ class Runtime:
 class _Holder:
     """The process's runtime, re-made in a forked child (which is another process)."""
 
-    def __init__(self):
-        self.pid = None
-        self.runtime = None
+    def __init__(self) -> None:
+        self.pid: int | None = None
+        self.runtime: Runtime | None = None
 
 
 _holder = _Holder()
 _holder_lock = threading.Lock()
 
 
-def current():
+def current() -> Runtime:
     """This process's `Runtime` (created on first use)."""
     with _holder_lock:
         if _holder.runtime is None or _holder.pid != os.getpid():
@@ -295,7 +305,8 @@ def current():
         return _holder.runtime
 
 
-def world_from_environment(resolver=None):
+def world_from_environment(resolver: ClusterResolver | None = None
+                           ) -> world_lib.World | None:
     """The world this process already joined; else the one a launcher described in the
     environment (torchrun, ts.launch, re-execution), or `resolver`'s / the detected srun
     step's (see `torchstrategy.cluster_resolver.detect`); else the world of a default
@@ -310,7 +321,7 @@ def world_from_environment(resolver=None):
             or detect.launched_world(resolver) or _world_of_existing_group())
 
 
-def _world_of_existing_group():
+def _world_of_existing_group() -> world_lib.World | None:
     """The `World` of a default process group initialised outside torchstrategy, or None.
 
     The machine layout comes from LOCAL_RANK / LOCAL_WORLD_SIZE when set, else from the
@@ -323,7 +334,7 @@ def _world_of_existing_group():
             os.environ.get("LOCAL_RANK", "").isdigit():
         local_rank = int(os.environ["LOCAL_RANK"])
         local_size = int(os.environ["LOCAL_WORLD_SIZE"])
-        hosts = None
+        hosts: list[Any] = []   # not needed: the layout is known
     else:
         hosts = [None] * size
         dist.all_gather_object(hosts, socket.gethostname())

@@ -4,7 +4,12 @@ In torchstrategy's SPMD model each process hosts one replica (per-host strategie
 several), so a distributed value holds the components of the replicas *this process* runs,
 keyed by their replica ids. ``experimental_local_results`` returns them as a tuple.
 """
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Sequence
+
 from torchstrategy import nest
+
 
 
 class DistributedValues:
@@ -26,9 +31,12 @@ class DistributedValues:
     processes the other replicas' components live in the other processes.
     """
 
-    _num_replicas = None   # subclasses that keep their components otherwise: unknown
+    _num_replicas: int | None = None   # subclasses that keep their components otherwise: unknown
+    _values: tuple[Any, ...]
+    _replica_ids: tuple[int, ...]
 
-    def __init__(self, values, replica_ids=None, num_replicas=None):
+    def __init__(self, values: Iterable[Any], replica_ids: Iterable[int] | None = None,
+                 num_replicas: int | None = None) -> None:
         values = tuple(values)
         if not values:
             raise ValueError(f"{type(self).__name__} needs at least one component.")
@@ -48,18 +56,18 @@ class DistributedValues:
         self._num_replicas = num_replicas
 
     @property
-    def values(self):
+    def values(self) -> tuple[Any, ...]:
         return self._values
 
     @property
-    def replica_ids(self):
+    def replica_ids(self) -> tuple[int, ...]:
         return self._replica_ids
 
     @property
-    def num_replicas(self):
+    def num_replicas(self) -> int | None:
         return self._num_replicas
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         total = self._num_replicas
         of = "" if total is None else f" of {total}"
         # Components of other replicas live elsewhere (other processes) unless all are here.
@@ -79,7 +87,8 @@ class Mirrored(DistributedValues):
     """Values that are the same on every replica (results of all-reduce, mirrored state)."""
 
 
-def wrap(structure, replica_ids, kind=PerReplica, num_replicas=None):
+def wrap(structure: Any, replica_ids: Sequence[int],
+         kind: type[DistributedValues] = PerReplica, num_replicas: int | None = None) -> Any:
     """Wraps every non-None leaf of a structure computed by the local replica(s).
 
     `structure` is the result of one local replica when ``len(replica_ids) == 1``; with
@@ -90,22 +99,20 @@ def wrap(structure, replica_ids, kind=PerReplica, num_replicas=None):
         return nest.map_structure(
             lambda leaf: leaf if leaf is None else kind((leaf,), replica_ids, num_replicas),
             structure)
-    leaves_per_replica = []
-    spec = None
-    for s in structure:
-        leaves, spec = nest.flatten(s)
-        leaves_per_replica.append(leaves)
+    flattened = [nest.flatten(s) for s in structure]
+    leaves_per_replica = [leaves for leaves, _ in flattened]
+    spec = flattened[-1][1]
     zipped = [None if parts[0] is None else kind(parts, replica_ids, num_replicas)
               for parts in zip(*leaves_per_replica)]
     return nest.pack(spec, zipped)
 
 
-def local_component(structure, index=0):
+def local_component(structure: Any, index: int = 0) -> Any:
     """Replaces every distributed value in `structure` by its `index`-th local component.
 
     Non-distributed leaves are returned unchanged: they are the same for every replica.
     """
-    def pick(leaf):
+    def pick(leaf: Any) -> Any:
         if isinstance(leaf, DistributedValues):
             if index >= len(leaf.values):
                 raise ValueError(f"{type(leaf).__name__} has {len(leaf.values)} local "
@@ -115,7 +122,9 @@ def local_component(structure, index=0):
     return nest.map_structure(pick, structure)
 
 
-def local_results(value, num_local=1, component=None):
+def local_results(value: Any, num_local: int = 1,
+                  component: Callable[[DistributedValues, int], Any] | None = None
+                  ) -> tuple[Any, ...]:
     """The local components of `value`, as a tuple (``experimental_local_results``).
 
     A distributed value gives its components; a structure holding distributed values gives
@@ -136,7 +145,7 @@ def local_results(value, num_local=1, component=None):
         for index in range(num_local))
 
 
-def per_replica(parts, kind=PerReplica):
+def per_replica(parts: Iterable[Any], kind: type[DistributedValues] = PerReplica) -> Any:
     """The value of per-replica `parts` (one structure per local replica, replica ids 0,
     1, ...): the part itself with one replica, else every leaf a `kind` (see `wrap`)."""
     parts = list(parts)

@@ -6,11 +6,14 @@ the accelerators per task (`num_accelerators()`). On top of TensorFlow's interfa
 the tasks that train synchronously (`training_tasks()`: the chief, then the workers), which
 is what the multi-worker strategy needs to give each machine its rank.
 """
+from __future__ import annotations
+
 import socket
+from typing import Any, Mapping
 
 import torch
 
-from torchstrategy.cluster_resolver.cluster_spec import (ClusterSpec, parse_address,
+from torchstrategy.cluster_resolver.cluster_spec import (ClusterSpec, JobTasks, parse_address,
                                                         sparse_worker_spec)
 
 # Jobs whose tasks run the synchronous training step, in rank order.
@@ -20,16 +23,17 @@ TRAINING_JOBS = ("chief", "worker")
 class ClusterResolver:
     """Base class: subclasses implement `cluster_spec()` and set the task attributes."""
 
-    task_type = None
-    task_id = None
-    rpc_layer = None
-    environment = ""
+    task_type: str | None = None
+    task_id: int | None = None
+    rpc_layer: str | None = None
+    environment: str = ""
 
-    def cluster_spec(self):
+    def cluster_spec(self) -> ClusterSpec:
         """The `ClusterSpec` of the whole cluster."""
         raise NotImplementedError("abstract: subclasses implement cluster_spec()")
 
-    def master(self, task_type=None, task_id=None, rpc_layer=None):
+    def master(self, task_type: str | None = None, task_id: int | None = None,
+               rpc_layer: str | None = None) -> str:
         """The address of a task (this one by default), prefixed ``rpc_layer://`` if set.
 
         Returns "" when this resolver does not know a task address to give.
@@ -42,7 +46,8 @@ class ClusterResolver:
         layer = self.rpc_layer if rpc_layer is None else rpc_layer
         return f"{layer}://{address}" if layer else address
 
-    def num_accelerators(self, task_type=None, task_id=None, config_proto=None):
+    def num_accelerators(self, task_type: str | None = None, task_id: int | None = None,
+                         config_proto: Any = None) -> dict[str, int]:
         """Accelerators on this machine by kind, e.g. ``{"GPU": 2}``; {} when there are none."""
         del task_type, task_id, config_proto  # every task is assumed alike, as TF does locally
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -50,19 +55,19 @@ class ClusterResolver:
 
     # --- what synchronous training needs -----------------------------------------------
 
-    def training_tasks(self):
+    def training_tasks(self) -> list[tuple[str, int]]:
         """The ``(job, index)`` of every task that trains, in rank order: chief, then workers."""
         spec = self.cluster_spec()
         return [(job, index) for job in TRAINING_JOBS if job in spec.jobs
                 for index in spec.task_indices(job)]
 
     @property
-    def num_workers(self):
+    def num_workers(self) -> int:
         """How many machines (tasks) take part in synchronous training."""
         return len(self.training_tasks())
 
     @property
-    def worker_index(self):
+    def worker_index(self) -> int:
         """This task's position in `training_tasks()` (its machine rank).
 
         Raises:
@@ -77,7 +82,7 @@ class ClusterResolver:
         return tasks.index(me)
 
     @property
-    def is_chief(self):
+    def is_chief(self) -> bool:
         """True for the task that does the cluster's one-off work (checkpoints, logs).
 
         That is the chief when the cluster has one, else worker 0; a task outside
@@ -86,7 +91,7 @@ class ClusterResolver:
         tasks = self.training_tasks()
         return bool(tasks) and tasks[0] == (self.task_type, self.task_id)
 
-    def rendezvous_address(self):
+    def rendezvous_address(self) -> tuple[str, int]:
         """``(host, port)`` of the first training task: where the training tasks meet."""
         tasks = self.training_tasks()
         if not tasks:
@@ -94,7 +99,7 @@ class ClusterResolver:
                              f"{self.cluster_spec()!r}.")
         return parse_address(self.cluster_spec().task_address(*tasks[0]))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"{type(self).__name__}(task_type={self.task_type!r}, task_id={self.task_id!r}, "
                 f"cluster_spec={self.cluster_spec()!r})")
 
@@ -105,17 +110,20 @@ class RendezvousClusterResolver(ClusterResolver):
     rendezvous ``master_addr:master_port``. Subclasses set `master_addr`, `master_port`,
     `task_id` and `_num_workers` (the machines)."""
 
-    task_type = "worker"
+    task_type: str | None = "worker"
+    master_addr: str
+    master_port: int
+    _num_workers: int
 
-    def cluster_spec(self):
+    def cluster_spec(self) -> ClusterSpec:
         """Worker 0 and this machine only: other machines' addresses are not known here."""
-        return sparse_worker_spec(self.master_addr, self.master_port, self.task_id,
+        return sparse_worker_spec(self.master_addr, self.master_port, self.task_id or 0,
                                   socket.gethostname())
 
-    def training_tasks(self):
+    def training_tasks(self) -> list[tuple[str, int]]:
         return [("worker", i) for i in range(self._num_workers)]
 
-    def rendezvous_address(self):
+    def rendezvous_address(self) -> tuple[str, int]:
         return self.master_addr, self.master_port
 
 
@@ -131,13 +139,15 @@ class SimpleClusterResolver(ClusterResolver):
       rpc_layer: prefix for `master()` addresses, e.g. "grpc".
     """
 
-    def __init__(self, cluster_spec, master="", task_type=None, task_id=None, environment="",
-                 num_accelerators=None, rpc_layer=None):
+    def __init__(self, cluster_spec: ClusterSpec | Mapping[str, JobTasks], master: str = "",
+                 task_type: str | None = None, task_id: int | None = None,
+                 environment: str = "", num_accelerators: Mapping[str, int] | None = None,
+                 rpc_layer: str | None = None) -> None:
         self._cluster_spec = ClusterSpec(cluster_spec)
         if (task_type is None) != (task_id is None):
             raise ValueError("Give task_type and task_id together (e.g. task_type='worker', "
                              "task_id=0), or neither.")
-        if task_type is not None:
+        if task_type is not None and task_id is not None:
             self._cluster_spec.task_address(task_type, task_id)  # raises naming what is wrong
         self._master = master
         self.task_type = task_type
@@ -146,15 +156,17 @@ class SimpleClusterResolver(ClusterResolver):
         self._num_accelerators = num_accelerators
         self.rpc_layer = rpc_layer
 
-    def cluster_spec(self):
+    def cluster_spec(self) -> ClusterSpec:
         return self._cluster_spec
 
-    def master(self, task_type=None, task_id=None, rpc_layer=None):
+    def master(self, task_type: str | None = None, task_id: int | None = None,
+               rpc_layer: str | None = None) -> str:
         if self._master and task_type is None and task_id is None:
             return self._master
         return super().master(task_type, task_id, rpc_layer)
 
-    def num_accelerators(self, task_type=None, task_id=None, config_proto=None):
+    def num_accelerators(self, task_type: str | None = None, task_id: int | None = None,
+                         config_proto: Any = None) -> dict[str, int]:
         if self._num_accelerators is not None:
             return dict(self._num_accelerators)
         return super().num_accelerators(task_type, task_id, config_proto)

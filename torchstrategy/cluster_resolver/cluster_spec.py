@@ -1,10 +1,16 @@
 """`ClusterSpec`: the jobs of a cluster and the address of every task, as TensorFlow names them."""
+from __future__ import annotations
+
 import re
+from typing import Mapping, Sequence, Union
 
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[^\s:/\[\]]+):(\d{1,5})$")
 
+# A job's tasks: addresses in task order, or {task index: address} for a sparse job.
+JobTasks = Union[Sequence[str], Mapping[int, str]]
 
-def parse_address(address):
+
+def parse_address(address: str) -> tuple[str, int]:
     """Splits ``"host:port"`` (or ``"[ipv6]:port"``) into ``(host, port)``.
 
     Raises:
@@ -21,12 +27,13 @@ def parse_address(address):
     return host.strip("[]"), int(match.group(2))
 
 
-def format_address(host, port):
+def format_address(host: str, port: int) -> str:
     """``"host:port"``, the host bracketed when it is an IPv6 address (``"[::1]:port"``)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def sparse_worker_spec(master_addr, master_port, worker_index, hostname):
+def sparse_worker_spec(master_addr: str, master_port: int, worker_index: int, hostname: str
+                       ) -> ClusterSpec:
     """The cluster a launcher's variables describe when they name only the rendezvous:
     worker 0 at ``master_addr:master_port`` and this machine (`worker_index`, `hostname`)
     on the same port. Other machines' addresses are not known there."""
@@ -47,7 +54,7 @@ class ClusterSpec:
       TypeError / ValueError: naming the job and task when the spec is malformed.
     """
 
-    def __init__(self, cluster):
+    def __init__(self, cluster: ClusterSpec | Mapping[str, JobTasks] | None) -> None:
         if isinstance(cluster, ClusterSpec):
             cluster = cluster.as_dict()
         if cluster is None:
@@ -55,13 +62,14 @@ class ClusterSpec:
         if not isinstance(cluster, dict):
             raise TypeError(f"A cluster spec is a dict of job name -> list of 'host:port' "
                             f"addresses, got {type(cluster).__name__}.")
-        self._jobs = {}
+        self._jobs: dict[str, dict[int, str]] = {}
         for job, tasks in cluster.items():
             if not isinstance(job, str) or not job:
                 raise TypeError(f"Job names are non-empty strings, got {job!r}.")
             if isinstance(tasks, str):
                 raise TypeError(f"Job {job!r}: tasks are a list of addresses, got the string "
                                 f"{tasks!r} (write [{tasks!r}]).")
+            indexed: dict[int, str]
             if isinstance(tasks, dict):
                 indexed = {}
                 for index, address in tasks.items():
@@ -82,27 +90,27 @@ class ClusterSpec:
             self._jobs[job] = dict(sorted(indexed.items()))
 
     @property
-    def jobs(self):
+    def jobs(self) -> list[str]:
         """The job names, sorted."""
         return sorted(self._jobs)
 
-    def as_dict(self):
+    def as_dict(self) -> dict[str, list[str] | dict[int, str]]:
         """The spec as a dict: a list per dense job (indices 0..n-1), a dict per sparse job."""
-        out = {}
+        out: dict[str, list[str] | dict[int, str]] = {}
         for job, tasks in self._jobs.items():
             dense = list(tasks) == list(range(len(tasks)))
             out[job] = list(tasks.values()) if dense else dict(tasks)
         return out
 
-    def num_tasks(self, job_name):
+    def num_tasks(self, job_name: str) -> int:
         """Number of tasks in `job_name`. Raises ValueError for an unknown job."""
         return len(self._tasks(job_name))
 
-    def task_indices(self, job_name):
+    def task_indices(self, job_name: str) -> list[int]:
         """The task indices of `job_name`, sorted."""
         return list(self._tasks(job_name))
 
-    def task_address(self, job_name, task_index):
+    def task_address(self, job_name: str, task_index: int) -> str:
         """The ``"host:port"`` of one task. Raises ValueError naming what is missing."""
         tasks = self._tasks(job_name)
         if task_index not in tasks:
@@ -110,23 +118,23 @@ class ClusterSpec:
                              f"{list(tasks)}.")
         return tasks[task_index]
 
-    def job_tasks(self, job_name):
+    def job_tasks(self, job_name: str) -> list[str | None]:
         """The job's addresses by index, with None where a sparse job has a gap."""
         tasks = self._tasks(job_name)
         if not tasks:
             return []
         return [tasks.get(i) for i in range(max(tasks) + 1)]
 
-    def _tasks(self, job_name):
+    def _tasks(self, job_name: str) -> dict[int, str]:
         if job_name not in self._jobs:
             raise ValueError(f"No job {job_name!r} in the cluster; its jobs are {self.jobs}.")
         return self._jobs[job_name]
 
-    def __bool__(self):
+    def __bool__(self) -> bool:
         return bool(self._jobs)
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, ClusterSpec) and self._jobs == other._jobs
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"ClusterSpec({self.as_dict()!r})"

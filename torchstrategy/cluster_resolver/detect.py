@@ -20,9 +20,13 @@ Two environments that are both present must describe the same number of machines
 TF_CONFIG's chief and workers, and torchrun's GROUP_WORLD_SIZE); otherwise the strategy
 refuses to guess and the error names both variables.
 """
+from __future__ import annotations
+
 import logging
 import os
+from typing import Mapping
 
+from torchstrategy.cluster_resolver.base import ClusterResolver
 from torchstrategy.cluster_resolver.kubernetes import KubernetesClusterResolver, kubeflow_job
 from torchstrategy.cluster_resolver.slurm import SlurmClusterResolver, srun_step
 from torchstrategy.cluster_resolver.tf_config import (TF_CONFIG_ENV, TFConfigClusterResolver,
@@ -39,7 +43,7 @@ class ConflictingEnvironmentError(ValueError):
     """Two cluster environments are set and describe different clusters."""
 
 
-def _present(environ):
+def _present(environ: Mapping[str, str]) -> list[str]:
     """The environments of `ORDER` present in `environ`."""
     ours = world_lib.LAUNCHER_ENV in environ
     found = []
@@ -55,7 +59,7 @@ def _present(environ):
     return found
 
 
-def _machines(name, environ):
+def _machines(name: str, environ: Mapping[str, str]) -> tuple[int, str] | None:
     """(number of machines, the variable saying so) as environment `name` describes it, or
     None where it does not say."""
     if name == "torchrun":
@@ -76,7 +80,7 @@ def _machines(name, environ):
     return len(tasks), "TF_CONFIG (chief and worker tasks)"
 
 
-def detect(environ=None):
+def detect(environ: Mapping[str, str] | None = None) -> str | None:
     """The name of the cluster environment this process is in (one of `ORDER`), or None.
 
     Raises:
@@ -107,7 +111,8 @@ def detect(environ=None):
     return chosen
 
 
-def resolver_for(name, environ=None):
+def resolver_for(name: str | None, environ: Mapping[str, str] | None = None
+                 ) -> ClusterResolver:
     """A resolver for environment `name` (one of `ORDER`, or None: TF_CONFIG's, which
     describes one machine when TF_CONFIG is unset)."""
     if name == "torchrun":
@@ -119,7 +124,7 @@ def resolver_for(name, environ=None):
     return TFConfigClusterResolver()
 
 
-def default_resolver(environ=None):
+def default_resolver(environ: Mapping[str, str] | None = None) -> ClusterResolver:
     """The resolver of the environment `detect` finds (see the module docstring), logged.
 
     Raises: as `detect`.
@@ -132,7 +137,8 @@ def default_resolver(environ=None):
     return resolver
 
 
-def launched_world(resolver=None, environ=None):
+def launched_world(resolver: ClusterResolver | None = None,
+                   environ: Mapping[str, str] | None = None) -> world_lib.World | None:
     """The `World` of processes that a cluster manager started one per replica without
     torchrun (an ``srun`` step), from `resolver` or the detected environment; None when
     there is none (the strategy then launches or finds its replicas itself)."""

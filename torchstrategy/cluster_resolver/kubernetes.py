@@ -12,7 +12,10 @@ train.py``, every pod is one machine of the cluster: the strategy takes the pod'
 (one replica each, re-executing the program for the pod's other devices) and the pods meet
 at MASTER_ADDR:MASTER_PORT, where the master pod serves the rendezvous.
 """
+from __future__ import annotations
+
 import os
+from typing import Mapping
 
 from torchstrategy.cluster_resolver.base import RendezvousClusterResolver
 from torchstrategy.launch import world as world_lib
@@ -21,10 +24,10 @@ _FIX = ("Run it as a PyTorchJob of Kubeflow's training operator (which sets MAST
         "MASTER_PORT, WORLD_SIZE, RANK and PET_NNODES), or set these variables yourself.")
 
 
-def _int(env, name, minimum=0):
+def _int(env: Mapping[str, str], name: str, minimum: int = 0) -> int:
     raw = env.get(name)
     try:
-        value = int(raw)
+        value = int(raw or "")  # missing: a ValueError, as for any non-integer
     except (TypeError, ValueError):
         raise ValueError(f"The PyTorchJob variable {name}={raw!r} is not an integer. "
                          f"{_FIX}") from None
@@ -33,7 +36,7 @@ def _int(env, name, minimum=0):
     return value
 
 
-def kubeflow_job(environ=None):
+def kubeflow_job(environ: Mapping[str, str] | None = None) -> bool:
     """True when the environment looks like a PyTorchJob pod's: PET_NNODES or PET_NODE_RANK
     set, or a Kubernetes pod (KUBERNETES_SERVICE_HOST) with WORLD_SIZE and RANK but without
     torchrun's LOCAL_RANK."""
@@ -63,7 +66,7 @@ class KubernetesClusterResolver(RendezvousClusterResolver):
         torchrun in the container.
     """
 
-    def __init__(self, environ=None):
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         env = os.environ if environ is None else environ
         missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if env.get(n, "") == ""]
         if env.get("PET_NODE_RANK", "") == "" and env.get("RANK", "") == "":
@@ -76,7 +79,7 @@ class KubernetesClusterResolver(RendezvousClusterResolver):
         self.master_addr = env["MASTER_ADDR"]
         self.master_port = _int(env, "MASTER_PORT", 1)
         raw_nproc = env.get("PET_NPROC_PER_NODE", "1") or "1"
-        self.nproc_per_node = _int({"PET_NPROC_PER_NODE": raw_nproc}, "PET_NPROC_PER_NODE",
+        self.nproc_per_node: int | None = _int({"PET_NPROC_PER_NODE": raw_nproc}, "PET_NPROC_PER_NODE",
                                    1) if raw_nproc.lstrip("-").isdigit() else None
         if self.nproc_per_node is None and raw_nproc not in ("auto", "cpu", "gpu"):
             raise ValueError(f"PET_NPROC_PER_NODE={raw_nproc!r} is neither a number nor "

@@ -11,8 +11,11 @@ else at ``port_base + SLURM_JOB_ID % 10000`` (8888..18887 with the default port_
 task of a job computes the same port without talking to the others, and two jobs sharing a
 node get different ports unless their ids are equal modulo 10000.
 """
+from __future__ import annotations
+
 import os
 import re
+from typing import Any, Callable, Mapping
 
 from torchstrategy.cluster_resolver.base import ClusterResolver
 from torchstrategy.cluster_resolver.cluster_spec import ClusterSpec, format_address
@@ -25,7 +28,7 @@ _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 _TASKS_PER_NODE = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
 
 
-def expand_hostlist(hostlist, variable="SLURM_JOB_NODELIST"):
+def expand_hostlist(hostlist: str | None, variable: str = "SLURM_JOB_NODELIST") -> list[str]:
     """The host names of a SLURM hostlist, in order: ``"node[01-03,07]"`` gives node01,
     node02, node03, node07; ``"a[1-2],b3"`` gives a1, a2, b3; zero padding is kept (the
     width of a range's first bound), several bracket groups in one name expand as a product
@@ -35,14 +38,14 @@ def expand_hostlist(hostlist, variable="SLURM_JOB_NODELIST"):
       ValueError: naming `variable` and the value when the list is empty or malformed
         (unbalanced brackets, an empty or reversed range, a bound that is not a number).
     """
-    def bad(why):
+    def bad(why: str) -> ValueError:
         return ValueError(f"{variable}={hostlist!r} is not a SLURM node list: {why}. Expected "
                           f"names like 'node[01-03,07]' or 'a[1-2],b3' (what `scontrol show "
                           f"hostnames` expands).")
 
     if not isinstance(hostlist, str) or not hostlist.strip():
         raise bad("it is empty")
-    hosts = []
+    hosts: list[str] = []
     for expression in _split_top_level(hostlist.strip(), bad):
         if not expression:
             raise bad("it has an empty name between commas")
@@ -57,9 +60,10 @@ def expand_hostlist(hostlist, variable="SLURM_JOB_NODELIST"):
     return hosts
 
 
-def _split_top_level(text, bad):
+def _split_top_level(text: str, bad: Callable[[str], ValueError]) -> list[str]:
     """Splits at the commas outside brackets."""
-    parts, depth, current = [], 0, ""
+    parts: list[str] = []
+    depth, current = 0, ""
     for char in text:
         if char == "[":
             depth += 1
@@ -80,8 +84,8 @@ def _split_top_level(text, bad):
     return parts
 
 
-def _expand_group(group, bad):
-    suffixes = []
+def _expand_group(group: str, bad: Callable[[str], ValueError]) -> list[str]:
+    suffixes: list[str] = []
     for item in group.split(","):
         match = _RANGE.match(item.strip())
         if match is None:
@@ -94,7 +98,7 @@ def _expand_group(group, bad):
     return suffixes
 
 
-def expand_tasks_per_node(value, variable="SLURM_TASKS_PER_NODE"):
+def expand_tasks_per_node(value: str, variable: str = "SLURM_TASKS_PER_NODE") -> list[int]:
     """``"2(x3),1"`` -> ``[2, 2, 2, 1]`` (SLURM's compressed tasks-per-node list).
 
     Raises:
@@ -110,15 +114,15 @@ def expand_tasks_per_node(value, variable="SLURM_TASKS_PER_NODE"):
     return counts
 
 
-def _int(env, name):
+def _int(env: Mapping[str, str | None], name: str) -> int:
     raw = env.get(name)
     try:
-        return int(raw)
+        return int(raw or "")  # missing: a ValueError, as for any non-integer
     except (TypeError, ValueError):
         raise ValueError(f"SLURM's variable {name}={raw!r} is not an integer.") from None
 
 
-def _first(env, *names):
+def _first(env: Mapping[str, str], *names: str) -> tuple[str, str | None]:
     """(name, value) of the first of `names` that is set, or (names[-1], None)."""
     for name in names:
         if env.get(name, "") != "":
@@ -153,8 +157,10 @@ class SlurmClusterResolver(ClusterResolver):
         spread evenly or not in block order over the nodes.
     """
 
-    def __init__(self, jobs=None, port_base=DEFAULT_PORT_BASE, gpus_per_node=None,
-                 tasks_per_node=None, rpc_layer=None, environ=None):
+    def __init__(self, jobs: Mapping[str, int] | None = None,
+                 port_base: int = DEFAULT_PORT_BASE, gpus_per_node: int | None = None,
+                 tasks_per_node: int | None = None, rpc_layer: str | None = None,
+                 environ: Mapping[str, str] | None = None) -> None:
         env = os.environ if environ is None else environ
         missing = [n for n in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_JOB_ID")
                    if env.get(n, "") == ""]
@@ -221,7 +227,8 @@ class SlurmClusterResolver(ClusterResolver):
                            self.master_port + t % self.local_world_size)
             for t in range(self.world_size)]})
 
-    def _tasks_per_node(self, env, tasks_per_node, ntasks_name):
+    def _tasks_per_node(self, env: Mapping[str, str], tasks_per_node: int | None,
+                        ntasks_name: str) -> int:
         if tasks_per_node is not None:
             if isinstance(tasks_per_node, bool) or not isinstance(tasks_per_node, int) or \
                     tasks_per_node < 1:
@@ -243,14 +250,15 @@ class SlurmClusterResolver(ClusterResolver):
                 "replicas. Use `srun --ntasks-per-node=N` with N the devices per node.")
         return counts[0]
 
-    def cluster_spec(self):
+    def cluster_spec(self) -> ClusterSpec:
         """Job "worker" with one task per SLURM task: ``host:port + local id``."""
         return self._cluster_spec
 
-    def rendezvous_address(self):
+    def rendezvous_address(self) -> tuple[str, int]:
         return self.master_addr, self.master_port
 
-    def num_accelerators(self, task_type=None, task_id=None, config_proto=None):
+    def num_accelerators(self, task_type: str | None = None, task_id: int | None = None,
+                         config_proto: Any = None) -> dict[str, int]:
         """GPUs per node: `gpus_per_node`, else SLURM_STEP_GPUS, else CUDA_VISIBLE_DEVICES
         (counted), else this machine's."""
         if self._gpus_per_node is not None:
@@ -262,7 +270,7 @@ class SlurmClusterResolver(ClusterResolver):
                 return {"GPU": count} if count else {}
         return super().num_accelerators(task_type, task_id, config_proto)
 
-    def world(self):
+    def world(self) -> world_lib.World:
         """The launched `World` of this step: one replica per SLURM task, rank 0's host
         serving the rendezvous store."""
         return world_lib.World(rank=self.rank, world_size=self.world_size,
@@ -272,7 +280,7 @@ class SlurmClusterResolver(ClusterResolver):
                                node_rank=self.node_rank, num_nodes=self.num_nodes)
 
 
-def srun_step(environ=None):
+def srun_step(environ: Mapping[str, str] | None = None) -> bool:
     """True when this process is a task of an ``srun`` step of more than one task.
 
     A batch script, ``salloc``'s shell or a one-task step is a plain process: there the

@@ -5,8 +5,11 @@
 ``"rpc_layer"`` and ``"environment"``. Programs written for tf.distribute keep their launch
 scripts: the same variable configures the same roles here.
 """
+from __future__ import annotations
+
 import json
 import os
+from typing import Any, Mapping
 
 from torchstrategy.cluster_resolver.base import ClusterResolver
 from torchstrategy.cluster_resolver.cluster_spec import ClusterSpec
@@ -21,7 +24,7 @@ class TFConfigError(ValueError):
     """TF_CONFIG is set but does not describe a valid cluster and task."""
 
 
-def read_tf_config(environ=None):
+def read_tf_config(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The parsed and checked ``TF_CONFIG`` as a dict; {} when the variable is unset or empty.
 
     Guarantees, when it returns: ``cluster`` is a valid `ClusterSpec` dict whose jobs are
@@ -68,7 +71,7 @@ def read_tf_config(environ=None):
     return config
 
 
-def _check_task(spec, task_type, task_id, what):
+def _check_task(spec: ClusterSpec, task_type: str, task_id: int, what: str) -> None:
     if task_type not in spec.jobs:
         raise TFConfigError(f"{what} type {task_type!r} is not a job of the cluster; its jobs "
                             f"are {spec.jobs}.")
@@ -95,13 +98,14 @@ class TFConfigClusterResolver(ClusterResolver):
       TFConfigError (a ValueError): TF_CONFIG is malformed, see `read_tf_config`.
     """
 
-    def __init__(self, task_type=None, task_id=None, rpc_layer=None, environment=None):
+    def __init__(self, task_type: str | None = None, task_id: int | None = None,
+                 rpc_layer: str | None = None, environment: str | None = None) -> None:
         config = read_tf_config()
         self._cluster_spec = ClusterSpec(config.get("cluster", {}))
         task = config.get("task") or {}
         if (task_type is None) != (task_id is None):
             raise ValueError("Give task_type and task_id together, or neither.")
-        if task_type is not None:
+        if task_type is not None and task_id is not None:
             _check_task(self._cluster_spec, task_type, task_id, "The given task")
         self.task_type = task_type if task_type is not None else task.get("type")
         self.task_id = task_id if task_id is not None else task.get("index")
@@ -112,5 +116,5 @@ class TFConfigClusterResolver(ClusterResolver):
             raise TFConfigError(f"TF_CONFIG has a cluster but no 'task' saying which of its "
                                 f"tasks this process is. A valid one: {_EXAMPLE}")
 
-    def cluster_spec(self):
+    def cluster_spec(self) -> ClusterSpec:
         return self._cluster_spec

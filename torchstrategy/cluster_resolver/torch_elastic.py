@@ -4,16 +4,21 @@ torchrun tells each process its global rank, its machine's rank (GROUP_RANK) and
 rendezvous address, but not the other machines' addresses. Every machine is one task of
 job "worker"; its index is torchrun's node rank (which can change across restarts).
 """
+from __future__ import annotations
+
 import os
+from typing import Mapping
 
 from torchstrategy.cluster_resolver.base import RendezvousClusterResolver
 
 _REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def _env_int(environ, name, default=None):
+def _env_int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
     value = environ.get(name)
     if value is None:
+        if default is None:
+            raise RuntimeError(f"torchrun's variable {name} is not set.")
         return default
     try:
         return int(value)
@@ -37,7 +42,7 @@ class TorchElasticClusterResolver(RendezvousClusterResolver):
       RuntimeError: when not started by torchrun (its variables are missing).
     """
 
-    def __init__(self, environ=None):
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         env = os.environ if environ is None else environ
         missing = [k for k in _REQUIRED if k not in env]
         if missing:
@@ -48,8 +53,9 @@ class TorchElasticClusterResolver(RendezvousClusterResolver):
         self.world_size = _env_int(env, "WORLD_SIZE")
         self.local_rank = _env_int(env, "LOCAL_RANK")
         self.local_world_size = _env_int(env, "LOCAL_WORLD_SIZE", self.world_size)
-        nodes = _env_int(env, "GROUP_WORLD_SIZE")
-        if nodes is None:
+        if "GROUP_WORLD_SIZE" in env:
+            nodes = _env_int(env, "GROUP_WORLD_SIZE")
+        else:
             nodes = max(1, self.world_size // max(1, self.local_world_size))
         self._num_workers = nodes
         self.task_id = _env_int(env, "GROUP_RANK", self.rank // max(1, self.local_world_size))

@@ -10,19 +10,22 @@ SPMD mode); every host is one task of job "worker". The hosts are found, in this
 
 Nothing here imports torch_xla except `num_accelerators`, which asks its runtime.
 """
+from __future__ import annotations
+
 import os
+from typing import Any, Mapping, Sequence
 
 from torchstrategy.cluster_resolver.base import ClusterResolver
-from torchstrategy.cluster_resolver.cluster_spec import ClusterSpec
+from torchstrategy.cluster_resolver.cluster_spec import ClusterSpec, JobTasks
 
 # The port tf.distribute's TPU resolver names hosts with; only used when nothing else does.
 DEFAULT_PORT = 8470
 
 
-def _int(environ, name):
+def _int(environ: Mapping[str, str], name: str) -> int:
     value = environ.get(name)
     try:
-        return int(value)
+        return int(value or "")  # missing: a ValueError, as for any non-integer
     except (TypeError, ValueError):
         raise ValueError(f"{name}={value!r} is not an integer.") from None
 
@@ -50,8 +53,11 @@ class TPUClusterResolver(ClusterResolver):
         a remote TPU (``grpc://`` address or TPU name) with how to run on its VM instead.
     """
 
-    def __init__(self, tpu=None, task_id=None, environ=None):
+    def __init__(self, tpu: str | Sequence[str] | None = None, task_id: int | None = None,
+                 environ: Mapping[str, str] | None = None) -> None:
         env = os.environ if environ is None else environ
+        hosts: JobTasks
+        self.task_id: int
         self.task_type = "worker"
         self.rpc_layer = None
         if tpu == "":
@@ -97,22 +103,24 @@ class TPUClusterResolver(ClusterResolver):
         self._cluster_spec = ClusterSpec({"worker": hosts})
 
     @property
-    def num_hosts(self):
+    def num_hosts(self) -> int:
         return self._num_hosts
 
-    def cluster_spec(self):
+    def cluster_spec(self) -> ClusterSpec:
         return self._cluster_spec
 
-    def training_tasks(self):
+    def training_tasks(self) -> list[tuple[str, int]]:
         return [("worker", i) for i in range(self._num_hosts)]
 
-    def master(self, task_type=None, task_id=None, rpc_layer=None):
+    def master(self, task_type: str | None = None, task_id: int | None = None,
+               rpc_layer: str | None = None) -> str:
         """The address of host 0 (where hosts meet), or of the named task when known."""
         if task_type is None and task_id is None:
             task_type, task_id = "worker", 0
         return super().master(task_type, task_id, rpc_layer)
 
-    def num_accelerators(self, task_type=None, task_id=None, config_proto=None):
+    def num_accelerators(self, task_type: str | None = None, task_id: int | None = None,
+                         config_proto: Any = None) -> dict[str, int]:
         """``{"TPU": n}`` (or the XLA device kind, e.g. "CPU") with n this host's XLA devices,
         asked from torch_xla's runtime; {} without torch_xla."""
         del task_type, task_id, config_proto
@@ -123,13 +131,13 @@ class TPUClusterResolver(ClusterResolver):
         return {xr.device_type() or "TPU": xr.addressable_runtime_device_count()}
 
     @staticmethod
-    def connect(tpu=None):
+    def connect(tpu: str | Sequence[str] | None = None) -> TPUClusterResolver:
         """tf.distribute's entry point: returns the resolver for `tpu` (torch_xla's runtime
         starts with the first TPUStrategy, so there is nothing else to initialise)."""
         return TPUClusterResolver(tpu)
 
 
-def _remote_tpu_refusal(tpu):
+def _remote_tpu_refusal(tpu: str) -> str:
     """Why a remote TPU (a ``grpc://`` address or a Cloud TPU name) cannot be used, and how
     to run on it instead."""
     what = "the grpc address of a remote TPU node" if "://" in tpu else \

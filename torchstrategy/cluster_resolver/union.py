@@ -1,5 +1,9 @@
 """`UnionResolver`: one cluster made of what several resolvers know (TensorFlow's
 ``tf.distribute.cluster_resolver.UnionResolver``)."""
+from __future__ import annotations
+
+from typing import Any
+
 from torchstrategy.cluster_resolver.base import ClusterResolver
 from torchstrategy.cluster_resolver.cluster_spec import ClusterSpec
 
@@ -24,7 +28,8 @@ class UnionResolver(ClusterResolver):
       KeyError (from ``cluster_spec()``): two resolvers giving the same task index of a job.
     """
 
-    def __init__(self, *resolvers, task_type=None, task_id=None, rpc_layer=None):
+    def __init__(self, *resolvers: ClusterResolver, task_type: str | None = None,
+                 task_id: int | None = None, rpc_layer: str | None = None) -> None:
         if not resolvers:
             raise ValueError("UnionResolver needs at least one ClusterResolver.")
         for index, resolver in enumerate(resolvers):
@@ -38,39 +43,39 @@ class UnionResolver(ClusterResolver):
         self._rpc_layer = rpc_layer
 
     @property
-    def resolvers(self):
+    def resolvers(self) -> tuple[ClusterResolver, ...]:
         return self._resolvers
 
     # The overrides win; None (not 0, which is a task id) means "the first resolver's".
     @property
-    def task_type(self):
+    def task_type(self) -> str | None:
         return self._task_type if self._task_type is not None else self._resolvers[0].task_type
 
     @task_type.setter
-    def task_type(self, value):
+    def task_type(self, value: str | None) -> None:
         self._task_type = value
 
     @property
-    def task_id(self):
+    def task_id(self) -> int | None:
         return self._task_id if self._task_id is not None else self._resolvers[0].task_id
 
     @task_id.setter
-    def task_id(self, value):
+    def task_id(self, value: int | None) -> None:
         self._task_id = value
 
     @property
-    def rpc_layer(self):
+    def rpc_layer(self) -> str | None:
         return self._rpc_layer if self._rpc_layer is not None else self._resolvers[0].rpc_layer
 
     @rpc_layer.setter
-    def rpc_layer(self, value):
+    def rpc_layer(self, value: str | None) -> None:
         self._rpc_layer = value
 
     @property
-    def environment(self):
+    def environment(self) -> str:  # type: ignore[override]  # read-only: the first resolver's
         return self._resolvers[0].environment
 
-    def cluster_spec(self):
+    def cluster_spec(self) -> ClusterSpec:
         """The merged `ClusterSpec` (see the class docstring).
 
         Raises:
@@ -79,7 +84,7 @@ class UnionResolver(ClusterResolver):
         specs = [resolver.cluster_spec().as_dict() for resolver in self._resolvers]
         sparse = {job for spec in specs for job, tasks in spec.items()
                   if isinstance(tasks, dict)}
-        merged = {}
+        merged: dict[str, Any] = {}  # job -> a list of addresses, or {index: address}
         for spec in specs:
             for job, tasks in spec.items():
                 if job not in sparse:
@@ -94,7 +99,8 @@ class UnionResolver(ClusterResolver):
                 into.update(indexed)
         return ClusterSpec(merged)
 
-    def master(self, task_type=None, task_id=None, rpc_layer=None):
+    def master(self, task_type: str | None = None, task_id: int | None = None,
+               rpc_layer: str | None = None) -> str:
         """The named task's address, or the first resolver's `master()`."""
         if task_type is not None and task_id is not None:
             address = self.cluster_spec().task_address(task_type, task_id)
@@ -102,6 +108,7 @@ class UnionResolver(ClusterResolver):
             return f"{layer}://{address}" if layer else address
         return self._resolvers[0].master(rpc_layer=rpc_layer)
 
-    def num_accelerators(self, task_type=None, task_id=None, config_proto=None):
+    def num_accelerators(self, task_type: str | None = None, task_id: int | None = None,
+                         config_proto: Any = None) -> dict[str, int]:
         """The first resolver's answer (e.g. a `SimpleClusterResolver` overriding GPUs)."""
         return self._resolvers[0].num_accelerators(task_type, task_id, config_proto)

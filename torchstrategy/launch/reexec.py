@@ -9,6 +9,8 @@ set, then supervises them:
 - replica 0 failing (an exception, Ctrl-C) terminates the others before it exits;
 - children never outlive replica 0 (PR_SET_PDEATHSIG on Linux, and a watchdog thread).
 """
+from __future__ import annotations
+
 import ctypes
 import os
 import shutil
@@ -21,6 +23,8 @@ import time
 import warnings
 import _thread
 import datetime
+from types import TracebackType
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -36,7 +40,7 @@ _TERMINATE_GRACE_SECONDS = 5.0
 _EXIT_WAIT_BEFORE_RELEASE_SECONDS = 30.0
 
 
-def reexec_command():
+def reexec_command() -> list[str]:
     """The command that re-runs this program, or raises if it cannot be re-run.
 
     Raises:
@@ -59,7 +63,7 @@ def reexec_command():
     return [sys.executable] + argv[1:]
 
 
-def set_parent_death_signal():
+def set_parent_death_signal() -> None:
     """This process gets SIGKILL when its parent dies (Linux's PR_SET_PDEATHSIG; nothing
     elsewhere). Used as a ``preexec_fn``: re-executed replicas die with replica 0, local
     parameter-server tasks with their chief."""
@@ -70,7 +74,7 @@ def set_parent_death_signal():
         pass
 
 
-def die_with_parent(launcher_pid, launcher_temp_dir=None):
+def die_with_parent(launcher_pid: int, launcher_temp_dir: str | None = None) -> None:
     """In a replica started by `launcher_pid` (`ts.launch`): end this process when the
     launcher dies, SIGTERM and SIGKILL included. `launcher_temp_dir`: the launcher's
     multiprocessing directory (``/tmp/pymp-*``, the fork server's socket), which a killed
@@ -86,7 +90,7 @@ def die_with_parent(launcher_pid, launcher_temp_dir=None):
     if started is None:
         os._exit(1)
 
-    def watch():
+    def watch() -> None:
         while _start_time(launcher_pid) == started:  # a reused pid has another start time
             time.sleep(0.5)
         if launcher_temp_dir is not None:
@@ -96,7 +100,7 @@ def die_with_parent(launcher_pid, launcher_temp_dir=None):
     threading.Thread(target=watch, name="torchstrategy-launcher-watch", daemon=True).start()
 
 
-def _start_time(pid):
+def _start_time(pid: int) -> str | None:
     """When process `pid` started (an opaque token), or None if it is gone or a zombie."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -114,7 +118,8 @@ def _start_time(pid):
         return "alive"
 
 
-def listening_store(host, world_size, timeout, port=0):
+def listening_store(host: str, world_size: int, timeout: datetime.timedelta, port: int = 0
+                    ) -> dist.TCPStore:
     """The master `TCPStore` of a rendezvous, listening on `host` only (never every
     interface): the socket is bound here and handed to the store, which owns its descriptor
     from then on. `host` "127.0.0.1" for one machine; the configured chief address for
@@ -156,13 +161,13 @@ def listening_store(host, world_size, timeout, port=0):
     return store
 
 
-def watch_parent():
+def watch_parent() -> None:
     """In a re-executed replica: exit if replica 0 has gone (portable fallback)."""
     parent = os.environ.get(world_lib.PARENT_PID_ENV)
     if parent is None:
         return
 
-    def watch():
+    def watch() -> None:
         while True:
             if os.getppid() != int(parent):
                 os._exit(1)
@@ -175,10 +180,12 @@ class Supervisor:
     """Replica 0's watch over the replicas it started (owned by the runtime, which calls
     `at_exit` from its single exit handler)."""
 
-    def __init__(self, children, store=None):
+    def __init__(self, children: dict[int, subprocess.Popen[bytes]],
+                 store: dist.Store | None = None) -> None:
         self.children = children  # rank -> Popen
         self.store = store        # the rendezvous store (replicas announce their end there)
-        self.failure = None       # (rank, exit code) of the first replica that failed
+        # (rank, exit code) of the first replica that failed
+        self.failure: tuple[int, int] | None = None
         self.main_failed = False
         self.interrupted = False  # Ctrl-C (SIGINT): the user's, not a replica's failure
         self.stopping = False     # we are terminating the replicas: their deaths are ours
@@ -187,12 +194,13 @@ class Supervisor:
         threading.Thread(target=self.watch, name="torchstrategy-supervisor",
                          daemon=True).start()
 
-    def install_excepthook(self):
+    def install_excepthook(self) -> None:
         """Notes an uncaught exception in replica 0, so that `at_exit` reports the replica
         whose death caused it rather than the symptom."""
         previous = sys.excepthook
 
-        def hook(kind, value, tb):
+        def hook(kind: type[BaseException], value: BaseException,
+                 tb: TracebackType | None) -> None:
             self.main_failed = True
             if issubclass(kind, KeyboardInterrupt):
                 self.interrupted = True
@@ -200,7 +208,8 @@ class Supervisor:
 
         sys.excepthook = hook
 
-    def terminate_all(self):
+    def terminate_all(self) -> None:
+        """Terminates every replica still running (killed after a grace period)."""
         self.stopping = True
         for child in self.children.values():
             if child.poll() is None:
@@ -214,7 +223,8 @@ class Supervisor:
                 child.kill()
                 child.wait()
 
-    def watch(self):
+    def watch(self) -> None:
+        """Polls the replicas until they end; the first failure or Ctrl-C stops them all."""
         while True:
             running = False
             for rank, child in self.children.items():
@@ -233,7 +243,7 @@ class Supervisor:
                 return
             time.sleep(_POLL_SECONDS)
 
-    def _on_failure(self, rank, code):
+    def _on_failure(self, rank: int, code: int) -> None:
         with self.lock:
             if self.failure is not None:
                 return
@@ -250,7 +260,7 @@ class Supervisor:
         sys.stderr.flush()
         os._exit(self.exit_code())
 
-    def _on_interrupt(self, rank):
+    def _on_interrupt(self, rank: int) -> None:
         """A replica ended by Ctrl-C (a terminal sends SIGINT to every process of the job):
         the user's interruption, reported as such; replica 0 gets KeyboardInterrupt."""
         with self.lock:
@@ -263,11 +273,15 @@ class Supervisor:
         if not self.exiting:
             _thread.interrupt_main()
 
-    def exit_code(self):
+    def exit_code(self) -> int:
+        """The job's exit code: the first failed replica's (128 + N when signal N killed
+        it)."""
+        if self.failure is None:
+            raise RuntimeError("Supervisor.exit_code: no replica has failed.")
         rank, code = self.failure
         return code if code > 0 else 128 - code
 
-    def _wait_for_ending_children(self, seconds=_TERMINATE_GRACE_SECONDS * 2):
+    def _wait_for_ending_children(self, seconds: float = _TERMINATE_GRACE_SECONDS * 2) -> None:
         """Replica 0 failed, often because a replica ended first (its program returned or
         called sys.exit) while replica 0 waited in a collective with it: such a replica
         announced its end in the store and is on its way out, so its exit code is waited
@@ -290,7 +304,7 @@ class Supervisor:
                     self.failure = self.failure or (rank, code)
                 return
 
-    def _failed_child(self):
+    def _failed_child(self) -> tuple[int, int] | None:
         """(rank, exit code) of a replica that failed, not counting one interrupted by
         Ctrl-C or terminated by us."""
         if self.stopping:
@@ -301,7 +315,7 @@ class Supervisor:
                 return rank, code
         return None
 
-    def at_exit(self, release_process_group):
+    def at_exit(self, release_process_group: Callable[[], None]) -> None:
         """Waits for the other replicas, then calls `release_process_group` (after at most
         ``_EXIT_WAIT_BEFORE_RELEASE_SECONDS`` even if they still run, so that one blocked in a
         collective with us fails instead of hanging); exits with the code of the replica
@@ -350,7 +364,9 @@ class Supervisor:
         if self.failure is not None:
             self._exit_with_failure()
 
-    def _exit_with_failure(self):
+    def _exit_with_failure(self) -> None:
+        if self.failure is None:
+            return
         rank, code = self.failure
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         print(f"torchstrategy: replica {rank} {how}; the job exits with its code.",
@@ -359,14 +375,16 @@ class Supervisor:
         os._exit(self.exit_code())
 
 
-def _interrupted(code):
+def _interrupted(code: int) -> bool:
     """Whether a replica's exit code says Ctrl-C ended it (killed by SIGINT, or the 130
     that shells and some programs use for it)."""
     return code in (-signal.SIGINT, 128 + signal.SIGINT)
 
 
-def start_local_replicas(num_replicas, timeout_seconds, *, node_rank=0, num_nodes=1,
-                         master_addr=None, master_port=None):
+def start_local_replicas(num_replicas: int, timeout_seconds: float, *, node_rank: int = 0,
+                         num_nodes: int = 1, master_addr: str | None = None,
+                         master_port: int | None = None
+                         ) -> tuple[world_lib.World, Supervisor | None]:
     """Starts replicas 1..N-1 of this program; returns replica 0's `World` and the
     `Supervisor` watching them (None when nothing was started). Call it through
     ``torchstrategy.runtime.current().start_local_replicas``, which owns both.
@@ -382,17 +400,21 @@ def start_local_replicas(num_replicas, timeout_seconds, *, node_rank=0, num_node
     """
     world_size = num_replicas * num_nodes
     timeout = datetime.timedelta(seconds=timeout_seconds)
-    command = reexec_command() if num_replicas > 1 else None
+    command = reexec_command() if num_replicas > 1 else []
+    store: dist.TCPStore
     if num_nodes == 1:
         master_addr = "127.0.0.1"
         store = listening_store(master_addr, world_size, timeout)
+    elif master_addr is None or master_port is None:
+        raise ValueError(f"Replicas on {num_nodes} machines need the chief's address: pass "
+                         f"master_addr and master_port (got {master_addr!r}, {master_port!r}).")
     elif node_rank == 0:
         store = listening_store(master_addr, world_size, timeout, port=master_port)
     else:
         store = rendezvous.connect(master_addr, master_port, world_size, timeout)
     first_rank = node_rank * num_replicas
     threads = world_lib.threads_per_replica(num_replicas)
-    children = {}
+    children: dict[int, subprocess.Popen[bytes]] = {}
     for local_rank in range(1, num_replicas):
         rank = first_rank + local_rank
         env = dict(os.environ)

@@ -10,19 +10,25 @@ Two things torch's store client does not guarantee, and replicas need:
   of ``--max-restarts``, so a restarted round reads the previous round's addresses (gloo
   "connectFullMesh failed ... Connection refused") and the round after hangs.
 """
+from __future__ import annotations
+
+import datetime
 import os
 import socket
 import threading
 import time
 import warnings
+from typing import Any
 
 import torch.distributed as dist
+
+from torchstrategy.launch.world import World
 
 # How long past the strategy's timeout torch's handshake may take before it is given up.
 _GRACE_SECONDS = 2.0
 
 
-def _wait_until_listening(host, port, deadline):
+def _wait_until_listening(host: str, port: int, deadline: float) -> bool:
     """Returns once something accepts TCP connections at `host`:`port` (each refused attempt
     is retried), or False at `deadline` (a `time.monotonic()` value)."""
     while True:
@@ -36,7 +42,8 @@ def _wait_until_listening(host, port, deadline):
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
 
-def connect(host, port, world_size, timeout):
+def connect(host: str, port: int, world_size: int, timeout: datetime.timedelta
+            ) -> dist.TCPStore:
     """A client of the rendezvous store at `host`:`port`, joined within `timeout` (a
     timedelta, plus a few seconds) or an error naming the address.
 
@@ -56,9 +63,9 @@ def connect(host, port, world_size, timeout):
             f"store's address) within {seconds:g} s: start the chief (replica 0) too, and "
             "check its address and port (TF_CONFIG, MASTER_ADDR / MASTER_PORT) and that the "
             "port is open between the machines.")
-    outcome = {}
+    outcome: dict[str, Any] = {}
 
-    def join():
+    def join() -> None:
         try:
             outcome["store"] = dist.TCPStore(host, port, world_size, is_master=False,
                                              wait_for_workers=False, timeout=timeout)
@@ -87,13 +94,13 @@ def connect(host, port, world_size, timeout):
         "MASTER_ADDR / MASTER_PORT) and that nothing else listens there.")
 
 
-def shares_torchrun_store():
+def shares_torchrun_store() -> bool:
     """True under a torchrun whose workers share the agent's rendezvous store (torch >= 2.4
     unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 was set for torchrun)."""
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
-def torchrun_store(world, timeout):
+def torchrun_store(world: World, timeout: datetime.timedelta) -> dist.Store | None:
     """The store this torchrun worker's process group should use, or None to let torch
     read it from the environment (``init_method="env://"``).
 

@@ -1,4 +1,6 @@
 """`ts.launch`: run a function as N replicas in fresh processes (notebooks, tests)."""
+from __future__ import annotations
+
 import datetime
 import os
 import pickle
@@ -9,6 +11,8 @@ import traceback
 import multiprocessing
 import multiprocessing.util
 from multiprocessing import connection
+from multiprocessing.process import BaseProcess
+from typing import Any, Callable, Mapping, Sequence, cast
 
 import torch
 
@@ -23,11 +27,11 @@ _TERMINATE_GRACE_SECONDS = 5.0
 class RemoteTraceback(Exception):
     """The traceback of an exception raised in a replica process (attached as __cause__)."""
 
-    def __init__(self, text):
+    def __init__(self, text: str) -> None:
         super().__init__(text)
         self.text = text
 
-    def __str__(self):
+    def __str__(self) -> str:
         return self.text
 
 
@@ -35,8 +39,10 @@ class ReplicaFailed(RuntimeError):
     """A replica process died without reporting an exception (killed, os._exit, crash)."""
 
 
-def _replica_main(fn, args, kwargs, rank, num_replicas, port, timeout, conn, launcher_pid,
-                  launcher_temp_dir):
+def _replica_main(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
+                  rank: int, num_replicas: int, port: int, timeout: float,
+                  conn: connection.Connection, launcher_pid: int,
+                  launcher_temp_dir: str | None) -> None:
     # A killed ts.launch leaves no replica behind, nor its /tmp/pymp-* directory.
     reexec.die_with_parent(launcher_pid, launcher_temp_dir)
     os.environ.update(world_lib.replica_environment(rank, num_replicas, port, "launch",
@@ -68,7 +74,8 @@ def _replica_main(fn, args, kwargs, rank, num_replicas, port, timeout, conn, lau
     conn.close()
 
 
-def _check_picklable(fn, args, kwargs):
+def _check_picklable(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
+                     ) -> None:
     try:
         pickle.dumps((fn, args, kwargs))
     except Exception as error:
@@ -78,7 +85,7 @@ def _check_picklable(fn, args, kwargs):
             "call ts.launch under `if __name__ == '__main__':`.") from None
 
 
-def _terminate(processes):
+def _terminate(processes: Sequence[BaseProcess]) -> None:
     for process in processes:
         if process.is_alive():
             process.terminate()
@@ -89,7 +96,7 @@ def _terminate(processes):
             process.join()
 
 
-def _raise_replica_error(rank, info):
+def _raise_replica_error(rank: int, info: tuple[str, str, str, bytes | None]) -> None:
     name, message, text, payload = info
     error = None
     if payload is not None:
@@ -103,8 +110,9 @@ def _raise_replica_error(rank, info):
     raise RuntimeError(f"Replica {rank} raised {name}: {message}") from remote
 
 
-def launch(fn, *args, num_replicas, timeout_seconds=None, start_method="forkserver",
-           **kwargs):
+def launch(fn: Callable[..., Any], *args: Any, num_replicas: int,
+           timeout_seconds: float | None = None, start_method: str = "forkserver",
+           **kwargs: Any) -> Any:
     """Runs ``fn(*args, **kwargs)`` in `num_replicas` fresh processes, one replica each.
 
     Inside `fn`, ``ts.MirroredStrategy()`` joins the launched world (replica ids 0..N-1,
@@ -123,7 +131,8 @@ def launch(fn, *args, num_replicas, timeout_seconds=None, start_method="forkserv
         raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}.")
     timeout = world_lib.timeout_seconds(timeout_seconds)
     _check_picklable(fn, args, kwargs)
-    context = multiprocessing.get_context(start_method)
+    # typeshed's BaseContext lacks `Process`, which every concrete context has.
+    context: Any = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
         # The server imports torch once; each replica then forks from it in milliseconds.
         # torch.optim pulls in torch._dynamo (over a second): import it once there too.
@@ -136,7 +145,8 @@ def launch(fn, *args, num_replicas, timeout_seconds=None, start_method="forkserv
     # Loopback only: nothing outside this machine can reach the store the replicas trust.
     store = reexec.listening_store("127.0.0.1", num_replicas,
                                    datetime.timedelta(seconds=timeout))
-    processes, readers = [], {}
+    processes: list[BaseProcess] = []
+    readers: dict[connection.Connection, int] = {}
     try:
         for rank in range(num_replicas):
             reader, writer = context.Pipe(duplex=False)
@@ -157,20 +167,23 @@ def launch(fn, *args, num_replicas, timeout_seconds=None, start_method="forkserv
 _FOLLOW_ON_ERRORS = ("CollectiveError", "DistBackendError", "DistNetworkError", "DistError")
 
 
-def _is_follow_on(info):
+def _is_follow_on(info: tuple[str, str, str, bytes | None]) -> bool:
     """Errors that are usually the consequence of another replica failing first."""
     name, message = info[0], info[1]
     return name in _FOLLOW_ON_ERRORS or "Connection closed by peer" in message
 
 
-def _root_cause(rank, info, pending, grace_seconds=1.0):
+def _root_cause(rank: int, info: tuple[str, str, str, bytes | None],
+                pending: dict[connection.Connection, int], grace_seconds: float = 1.0
+                ) -> tuple[int, tuple[str, str, str, bytes | None]]:
     """When a replica fails, the others soon fail too inside their collectives. Reads the
     reports arriving within `grace_seconds` and returns the first that is not such a
     follow-on error (else the first one)."""
     reports = [(rank, info)]
     deadline = time.monotonic() + grace_seconds
     while pending and time.monotonic() < deadline:
-        for reader in connection.wait(list(pending), timeout=max(0.0, deadline - time.monotonic())):
+        for ready in connection.wait(list(pending), timeout=max(0.0, deadline - time.monotonic())):
+            reader = cast(connection.Connection, ready)  # wait returns what it was given
             other = pending.pop(reader)
             try:
                 status, other, payload = pickle.loads(reader.recv_bytes())
@@ -184,8 +197,9 @@ def _root_cause(rank, info, pending, grace_seconds=1.0):
     return reports[0]
 
 
-def _collect(processes, readers):
-    results = {}
+def _collect(processes: Sequence[BaseProcess], readers: dict[connection.Connection, int]
+             ) -> Any:
+    results: dict[int, Any] = {}
     pending = dict(readers)
     sentinels = {p.sentinel: rank for rank, p in enumerate(processes)}
     reported = set()
@@ -215,12 +229,13 @@ def _collect(processes, readers):
                 process = processes[rank]
                 process.join()
                 # Give a just-sent report a moment to be read before judging the exit.
-                reader = next((r for r, k in pending.items() if k == rank), None)
-                if reader is not None and reader.poll(1.0):
+                report = next((r for r, k in pending.items() if k == rank), None)
+                if report is not None and report.poll(1.0):
                     continue
                 if rank not in reported:
                     _terminate(processes)
                     code = process.exitcode
+                    assert code is not None  # joined above
                     if code == -signal.SIGINT:  # Ctrl-C reached the replicas: the user's
                         raise KeyboardInterrupt(f"ts.launch: replica {rank} was interrupted "
                                                 "(Ctrl-C); every replica was stopped.")

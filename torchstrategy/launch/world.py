@@ -8,6 +8,8 @@ Three launchers are recognised, in this order:
 2. torchrun (torch.distributed.run), recognised by its variables.
 3. Otherwise the process is alone: a plain ``python train.py``.
 """
+from __future__ import annotations
+
 import dataclasses
 import math
 import os
@@ -49,7 +51,7 @@ class World:
     num_nodes: int = 1
 
 
-def _int_env(name, default=None):
+def _int_env(name: str, default: int | None = None) -> int:
     value = os.environ.get(name)
     if value is None:
         if default is None:
@@ -61,14 +63,14 @@ def _int_env(name, default=None):
         raise RuntimeError(f"Environment variable {name}={value!r} is not an integer.") from None
 
 
-def under_torchrun():
+def under_torchrun() -> bool:
     """True when torchrun (or another launcher setting its variables) started this process."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
         return True
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
 
 
-def from_environment():
+def from_environment() -> World | None:
     """The `World` described by the environment, or None for a plain process."""
     launcher = os.environ.get(LAUNCHER_ENV)
     if launcher is None and not under_torchrun():
@@ -101,8 +103,9 @@ def from_environment():
                                     max(1, world_size // max(1, local_world_size))))
 
 
-def timeout_seconds(explicit=None):
+def timeout_seconds(explicit: float | None = None) -> float:
     """The collective timeout: `explicit`, else $TORCHSTRATEGY_TIMEOUT_SECONDS, else 30 min."""
+    raw: float | str
     if explicit is not None:
         name, raw = "timeout_seconds", explicit
         fix = "pass a positive, finite number of seconds, e.g. timeout_seconds=600"
@@ -119,8 +122,9 @@ def timeout_seconds(explicit=None):
     return value
 
 
-def replica_environment(rank, world_size, port, launcher, timeout, *, node_rank=0,
-                        num_nodes=1, master_addr="127.0.0.1"):
+def replica_environment(rank: int, world_size: int, port: int, launcher: str, timeout: float,
+                        *, node_rank: int = 0, num_nodes: int = 1,
+                        master_addr: str = "127.0.0.1") -> dict[str, str]:
     """The environment variables a launched replica receives (torchrun's names plus ours).
 
     With several machines (`num_nodes` > 1) `rank` is the global rank; each machine runs
@@ -139,7 +143,7 @@ def replica_environment(rank, world_size, port, launcher, timeout, *, node_rank=
     return env
 
 
-def threads_per_replica(local_world_size):
+def threads_per_replica(local_world_size: int) -> int:
     """Intra-op threads for each of `local_world_size` CPU processes sharing this machine:
     the cores divided between them, so replicas do not oversubscribe the CPU."""
     if "OMP_NUM_THREADS" in os.environ:
