@@ -134,9 +134,10 @@ def check_private(directory):
             "yours) if you trust it.")
 
 
-def _extended():
-    """The extended of the strategy the tracked objects belong to: the one whose scope was
-    entered last (the default strategy when none was)."""
+def checkpoint_extended():
+    """The extended of the strategy the checkpointed objects belong to: the one whose scope
+    was entered last (the default strategy when none was). Its `state_dict_for_checkpoint`
+    / `load_state_dict_from_checkpoint` save and load them."""
     strategy = ownership.live_strategy() or context.get_strategy()
     return strategy.extended
 
@@ -311,7 +312,7 @@ class BackupAndRestore:
             raise KeyError(f"The backup at {self.path} has no state for {missing} (it holds "
                            f"{sorted(payload['objects'])}). Track the same names as the run "
                            "that wrote it, or remove the backup to start afresh.")
-        extended = _extended()
+        extended = checkpoint_extended()
         for name, obj in objects.items():
             extended.load_state_dict_from_checkpoint(obj, payload["objects"][name])
         if self.restored:
@@ -411,7 +412,7 @@ class BackupAndRestore:
         chief writes). `epochs` and `steps` call it per `save_freq`."""
         rng = gather_to_chief({"now": rng_state(), "epoch_start": self._epoch_rng})
         # Every replica takes part: a strategy that shards parameters gathers them here.
-        extended = _extended()
+        extended = checkpoint_extended()
         states = {name: extended.state_dict_for_checkpoint(obj)
                   for name, obj in self._objects.items()}
         error = None

@@ -23,6 +23,10 @@ once, in place, so that it is updated inside ``strategy.run`` with each replica'
 - ParameterServerStrategy: refused (a scheduled function runs on a worker, with its own
   copy of the metric); compute metrics on the coordinator from the fetched results.
 
+The strategy says which of these applies (``strategy.extended.metric_sync()``, a
+`MetricSync`: the communicator to gather over, whether updates are serialised); any other
+strategy gets the first behaviour by default, or the second if its replicas are threads.
+
 torchmetrics is an optional dependency: it is imported only when `sync` is called.
 """
 import threading
@@ -31,10 +35,6 @@ import torch
 
 from torchstrategy import nest, values
 from torchstrategy.context import get_strategy
-from torchstrategy.parameter_server.strategy import ParameterServerStrategyExtended
-from torchstrategy.strategies.central_storage import CentralStorageExtended
-from torchstrategy.strategies.spmd import SPMDExtended
-from torchstrategy.strategies.tpu import TPUExtended
 
 
 class _Shared:
@@ -148,24 +148,11 @@ def sync(metric, strategy=None):
     import torchmetrics
     members = _members(metric, torchmetrics)
     strategy = get_strategy() if strategy is None else strategy
-    ext = strategy.extended
-    lock = None
-    if isinstance(ext, ParameterServerStrategyExtended):
-        raise NotImplementedError(
-            "ts.metrics.sync does not support ParameterServerStrategy: a scheduled function "
-            "runs on a worker with its own copy of the metric. Return the values the metric "
-            "needs from the scheduled function and update the metric on the coordinator "
-            "with the fetched results.")
-    if isinstance(ext, SPMDExtended):
-        comm = ext.communicator
-        gather = _CommunicatorGather(comm) if comm.world_size > 1 else None
-    elif isinstance(ext, CentralStorageExtended):
-        gather = None
-        lock = _Lock()
-    elif isinstance(ext, TPUExtended):
-        gather = None
-    else:
-        raise TypeError(f"ts.metrics.sync: unsupported strategy {strategy!r}.")
+    # The strategy says how (StrategyExtended.metric_sync); a parameter-server strategy
+    # raises NotImplementedError there, saying what to do instead.
+    how = strategy.extended.metric_sync()
+    gather = None if how.gather_over is None else _CommunicatorGather(how.gather_over)
+    lock = _Lock() if how.serialize_updates else None
     if isinstance(metric, torchmetrics.MetricCollection):
         # The collection's own calls are made atomic too; its members move the tensors.
         _wrap(metric, lock, None)

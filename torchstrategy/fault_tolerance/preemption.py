@@ -41,8 +41,9 @@ import torch.distributed as dist
 
 from torchstrategy import _compat
 from torchstrategy.backup_and_restore import (broadcast_from_chief, check_private,
-                                              check_resize, global_batch_size, num_replicas,
-                                              rng_state, set_rng_state)
+                                              check_resize, checkpoint_extended,
+                                              global_batch_size, num_replicas, rng_state,
+                                              set_rng_state)
 from torchstrategy.checkpoint import remove_stale_temporaries, write_atomically
 from torchstrategy.cluster_resolver import ClusterResolver
 from torchstrategy.fault_tolerance.agreement import LocalAgreement, StoreAgreement
@@ -210,8 +211,9 @@ class PreemptionCheckpointHandler:
                       if batches.get(name) is not None or global_batch_size(obj) is not None},
                      f"The preemption checkpoint {self.path}")
         if objects is not None:
+            extended = checkpoint_extended()
             for name, obj in self._objects.items():
-                obj.load_state_dict(objects[name])
+                extended.load_state_dict_from_checkpoint(obj, objects[name])
         rng = payload.get("rng") or {}
         if payload.get("num_replicas") == num_replicas() and _rank() in rng:
             set_rng_state(rng[_rank()])
@@ -348,12 +350,17 @@ class PreemptionCheckpointHandler:
         save_fn = self._config.save_fn
         if save_fn is not None:
             save_fn(*args, **kwargs)
+        else:
+            # Every replica takes part: a strategy that shards parameters (or partitions
+            # optimizer state) gathers them here; the chief writes its result.
+            extended = checkpoint_extended()
+            states = {name: extended.state_dict_for_checkpoint(obj)
+                      for name, obj in self._objects.items()}
         if self._is_chief:
             rng = self._agreement.collect_rng(self._round, self._wait_bound())
             payload = {"format": _FORMAT, "total_run_calls": self._run_calls,
                        "num_replicas": num_replicas(), "rng": rng,
-                       "objects": None if save_fn is not None else
-                       {name: obj.state_dict() for name, obj in self._objects.items()},
+                       "objects": None if save_fn is not None else states,
                        "global_batch_sizes": {name: global_batch_size(obj)
                                               for name, obj in self._objects.items()
                                               if global_batch_size(obj) is not None}}

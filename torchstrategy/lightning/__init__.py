@@ -18,23 +18,20 @@ registers torchstrategy's names ("mirrored", "mirrored_notebook", "one_device",
 in use is the one already imported (``lightning.pytorch`` first if both are: names are
 registered in every one already imported), else the one installed (``lightning.pytorch``
 first). ``LightningStrategy(...)`` and ``BackupAndRestoreCallback(...)`` build that
-package's classes (``package=`` picks the other), defined at module level in
+package's classes (``package=`` picks the other), published at module level in
 `torchstrategy.lightning.lightning_pytorch` and `.pytorch_lightning`, which subclass the
 Lightning-free bases of `torchstrategy.lightning_base`:
 ``isinstance(s, LightningStrategy)`` holds for either package. Importing one of those two
 modules registers the names in its package explicitly.
 """
-import importlib
-
-from torchstrategy.lightning_base.adapter import (MODULES, LightningStrategy,
-                                                  packages_in_use, strategy_class)
+from torchstrategy.lightning_base.adapter import (LightningStrategy, packages_in_use,
+                                                  strategy_class)
 from torchstrategy.lightning_base.backup import BackupAndRestoreCallback, callback_class
 from torchstrategy.lightning_base.registration import registered_names
 
-# Importing a package's module defines its classes and registers our names in its
-# StrategyRegistry.
+# Defining a package's classes registers our names in its StrategyRegistry.
 for _package in packages_in_use():
-    importlib.import_module(MODULES[_package])
+    callback_class(_package)
 del _package
 
 __all__ = ["BackupAndRestoreCallback", "LightningStrategy", "callback_class",

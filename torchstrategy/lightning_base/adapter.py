@@ -1,8 +1,9 @@
 """The Lightning adapter's behaviour, shared by the adapter classes of both Lightning
 packages (``lightning.pytorch`` and ``pytorch_lightning`` have separate class trees):
-`LightningStrategy` holds everything; `torchstrategy.lightning.lightning_pytorch` and
-`torchstrategy.lightning.pytorch_lightning` each define ``LightningStrategy(LightningStrategy,
-ParallelStrategy)`` for their package. This module imports no Lightning.
+`LightningStrategy` holds everything; `strategy_class` combines it with each package's
+``ParallelStrategy`` (once per process; published in `torchstrategy.lightning.
+lightning_pytorch` and `.pytorch_lightning`). This module imports no Lightning until an
+adapter is made, and nothing of `torchstrategy.lightning`.
 
 What the adapter does at each point of Lightning's life cycle:
 
@@ -11,10 +12,11 @@ What the adapter does at each point of Lightning's life cycle:
 - Trainer construction (``set_world_ranks``): checks the Trainer's ``accelerator``,
   ``devices`` and ``num_nodes`` against the wrapped strategy, or builds the strategy from
   them (registered names); building it launches the replicas (re-execution or torchrun).
-- ``setup``: moves the model to the replica's device and records its parameters and
-  buffers with the strategy (``record_parameter`` / ``record_buffer``, as creating them in
-  ``strategy.scope()`` would), then ``synchronize_mirrored_state()`` broadcasts them from
-  replica 0 and hands the parameters to the gradient reducer. Nothing is wrapped.
+- ``setup``: moves the model to the replica's device and hands it to the strategy
+  (``extended.prepare_trainer_module``: by default its parameters and buffers are recorded
+  as creating them in ``strategy.scope()`` would, broadcast from replica 0 and given to
+  the gradient reducer; ShardedStrategy shards its children), then each optimizer
+  (``extended.prepare_trainer_optimizer``). Nothing is wrapped.
 - steps: ``training_step`` and the other steps run in the strategy's replica context
   (``ts.get_replica_context()`` works inside them); after each training step
   ``synchronize_buffers()`` makes floating buffers the replica mean, as everywhere in
@@ -25,15 +27,19 @@ What the adapter does at each point of Lightning's life cycle:
   go through the strategy's communicator and process group, under its timeout.
 
 Only documented methods of the strategy are used (``extended.communicator``,
-``torch_device``, ``replica_id``, ``record_parameter``, ``record_buffer``,
-``synchronize_mirrored_state``, ``synchronize_buffers``, ``no_sync``) and
-``runtime.current().world``; private Lightning APIs go through `torchstrategy._compat`.
+``torch_device``, ``replica_id``, ``one_replica_per_process``, ``prepare_trainer_module``,
+``prepare_trainer_optimizer``, ``synchronize_buffers``, ``no_sync``,
+``converts_checkpoint_state`` and the checkpoint methods; ``Strategy.build_for_trainer``
+for a kind, found in `torchstrategy.strategies.registry`) and ``runtime.current().world``;
+private Lightning APIs go through `torchstrategy._compat`.
 """
 import contextlib
 import dataclasses
 import importlib
 import os
 import sys
+import threading
+import types
 from typing import Any
 
 import torch
@@ -44,20 +50,11 @@ from torchstrategy.collectives.communicator import Communicator
 from torchstrategy.lightning_base import registration
 from torchstrategy.reduce_op import ReduceOp
 from torchstrategy.replica_context import ReplicaContext
+from torchstrategy.strategies import registry as strategy_registry
 from torchstrategy.strategies.base import Strategy
-from torchstrategy.strategies.central_storage import CentralStorageStrategy
-from torchstrategy.strategies.mirrored import MirroredStrategy
-from torchstrategy.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
-from torchstrategy.strategies.one_device import OneDeviceStrategy
-from torchstrategy.strategies.tpu import TPUStrategy
 
 PACKAGES = ("lightning.pytorch", "pytorch_lightning")
-# kind -> start methods it can be built with
-KINDS = {"mirrored": ("popen", "fork"), "one_device": ("popen",),
-         "multi_worker_mirrored": ("popen",), "sharded": ("popen",)}
 START_METHODS = ("popen", "fork")
-# Strategies that run all their replicas in one process: refused, with the reason.
-_ONE_PROCESS = {"central_storage": CentralStorageStrategy, "tpu": TPUStrategy}
 
 _LIGHTNING_REDUCE_OPS = {"mean": ReduceOp.MEAN, "avg": ReduceOp.MEAN, "sum": ReduceOp.SUM}
 _TORCH_REDUCE_OPS = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
@@ -75,21 +72,66 @@ class LightningPackage:
     accelerators: tuple        # ((Accelerator class, device type), ...)
 
 
-# Lightning package -> our module defining its adapter classes
-MODULES = {"lightning.pytorch": "torchstrategy.lightning.lightning_pytorch",
-           "pytorch_lightning": "torchstrategy.lightning.pytorch_lightning"}
+# Lightning package -> the module of `torchstrategy.lightning` that publishes its classes
+# (their ``__module__``: pickle and the documentation find them there).
+PUBLISHED_IN = {"lightning.pytorch": "torchstrategy.lightning.lightning_pytorch",
+                "pytorch_lightning": "torchstrategy.lightning.pytorch_lightning"}
 
 
-def package_module(package):
-    """Our module for `package` (imports that Lightning package; registers our names)."""
-    check_package(package)
-    return importlib.import_module(MODULES[package])
+def lightning_package(name):
+    """The `LightningPackage` of `name` ("lightning.pytorch" or "pytorch_lightning"),
+    importing that package."""
+    # Lightning is an optional dependency, imported only here, on use.
+    pl = importlib.import_module(name)
+    accelerators = importlib.import_module(f"{name}.accelerators")
+    states = importlib.import_module(f"{name}.trainer.states")
+    rank_zero = importlib.import_module(f"{name}.utilities.rank_zero")
+    utilities_rank_zero = importlib.import_module("lightning_utilities.core.rank_zero")
+    return LightningPackage(
+        name=name, trainer=pl.Trainer, fitting=states.TrainerFn.FITTING,
+        rank_zero_only=(rank_zero.rank_zero_only, utilities_rank_zero.rank_zero_only),
+        accelerators=((accelerators.CPUAccelerator, "cpu"),
+                      (accelerators.CUDAAccelerator, "cuda"),
+                      (accelerators.MPSAccelerator, "mps"),
+                      (accelerators.XLAAccelerator, "xla")))
+
+
+def defined_once(base, package, define):
+    """The subclass of `base` for Lightning `package`: the one defined earlier in this
+    process (found among ``base.__subclasses__()``, which a forked child keeps), else
+    ``define()``'s, made once even when several threads ask at the same time."""
+    with runtime.current().state("lightning adapter classes", threading.Lock):
+        for cls in base.__subclasses__():
+            if cls.__module__ == PUBLISHED_IN[package]:
+                return cls
+        return define()
+
+
+def new_package_class(name, bases, package, attributes):
+    """A class `name` of Lightning `package`, published in ``PUBLISHED_IN[package]`` (that
+    module re-exports it), with `attributes`."""
+    def body(namespace):
+        namespace.update(attributes, __module__=PUBLISHED_IN[package])
+    return types.new_class(name, bases, exec_body=body)
 
 
 def strategy_class(package=None):
     """The adapter class of `package` ("lightning.pytorch" or "pytorch_lightning"; None:
-    the one in use), a subclass of that package's ``ParallelStrategy``."""
-    return package_module(package or packages_in_use()[0]).LightningStrategy
+    the one in use), a subclass of that package's ``ParallelStrategy`` and of
+    `LightningStrategy`. Defining it (once per process) registers our names in that
+    package's ``StrategyRegistry``."""
+    package = package or packages_in_use()[0]
+    check_package(package)
+
+    def define():
+        # Lightning is an optional dependency, imported only here, on use.
+        strategies = importlib.import_module(f"{package}.strategies")
+        cls = new_package_class("LightningStrategy",
+                                (LightningStrategy, strategies.ParallelStrategy), package,
+                                {"__doc__": CLASS_DOC, "lightning": lightning_package(package)})
+        cls.register_strategies(strategies.StrategyRegistry)
+        return cls
+    return defined_once(LightningStrategy, package, define)
 
 
 def packages_in_use():
@@ -185,13 +227,15 @@ def check_arguments(strategy, kind, start_method):
                 "strategy object.")
         _check_supported(strategy)
         return
-    if kind in _ONE_PROCESS:
-        raise ValueError(_unsupported_message(_ONE_PROCESS[kind].__name__))
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {sorted(KINDS)}, got {kind!r}.")
-    if start_method not in KINDS[kind]:
+    entry = strategy_registry.trainer_kind(kind)
+    if entry is not None and not entry.runs_under_a_trainer:
+        raise ValueError(_unsupported_message(entry.class_name))
+    if entry is None:
+        raise ValueError(f"kind must be one of {strategy_registry.kinds_under_a_trainer()}, "
+                         f"got {kind!r}.")
+    if start_method not in entry.start_methods:
         raise ValueError(f"kind={kind!r} is built with start_method "
-                         f"{' or '.join(repr(m) for m in KINDS[kind])}, not "
+                         f"{' or '.join(repr(m) for m in entry.start_methods)}, not "
                          f"{start_method!r} (start_method='fork' is for kind='mirrored').")
 
 
@@ -208,25 +252,11 @@ def _check_supported(strategy):
     if not isinstance(strategy, Strategy):
         raise TypeError(f"LightningStrategy wraps a torchstrategy strategy, got "
                         f"{type(strategy).__name__}.")
-    comm = strategy.extended.communicator
-    if isinstance(strategy, tuple(_ONE_PROCESS.values())) or \
-            not isinstance(comm, Communicator) or \
+    ext = strategy.extended
+    comm = ext.communicator
+    if not ext.one_replica_per_process or not isinstance(comm, Communicator) or \
             comm.world_size != strategy.num_replicas_in_sync:
         raise ValueError(_unsupported_message(type(strategy).__name__))
-
-
-def _mirror_module(strategy, module):
-    """Records `module`'s parameters and (persistent) buffers with `strategy`, as creating
-    them inside ``strategy.scope()`` would have: ``synchronize_mirrored_state`` then
-    broadcasts them from replica 0 and gives the parameters to the gradient reducer.
-    Tensors already recorded are skipped by the strategy."""
-    ext = strategy.extended
-    for submodule in module.modules():
-        for name, param in submodule.named_parameters(recurse=False):
-            ext.record_parameter(submodule, name, param)
-        for name, _buffer in _compat.module_persistent_buffers(submodule):
-            ext.record_buffer(submodule, name)
-    ext.synchronize_mirrored_state()
 
 
 def _reduce_op(reduce_op):
@@ -252,8 +282,8 @@ def _reduce_op(reduce_op):
 class LightningStrategy:
     # The docstring is CLASS_DOC, at the end of this module.
     # This class holds the adapter's behaviour and is what isinstance checks against;
-    # `torchstrategy.lightning.lightning_pytorch` and `.pytorch_lightning` each combine it
-    # with their package's ``ParallelStrategy`` and set `lightning` (a `LightningPackage`).
+    # `strategy_class` combines it with each package's ``ParallelStrategy`` and sets
+    # `lightning` (a `LightningPackage`).
 
     lightning: LightningPackage = None   # set by each package's subclass
     strategy_name = "torchstrategy"
@@ -435,59 +465,11 @@ class LightningStrategy:
         self._set_rank_zero()
 
     def _build_strategy(self):
-        """Builds the strategy named by the kind from the Trainer's devices; building
-        it launches or joins the replicas."""
+        """Builds the strategy named by the kind from the Trainer's devices
+        (``Strategy.build_for_trainer``); building it launches or joins the replicas."""
         devices = list(self._parallel_devices or [torch.device("cpu")])
-        device_type = devices[0].type
-        count = len(devices)
-        if self._kind == "one_device":
-            if count != 1 or self.num_nodes != 1:
-                raise ValueError(
-                    f"Trainer(strategy='one_device') runs one replica, but the Trainer "
-                    f"asks for {count} device(s) on {self.num_nodes} node(s). Pass "
-                    "devices=1, or use strategy='mirrored' for several devices.")
-            return OneDeviceStrategy(devices[0])
-        if device_type not in ("cpu", "cuda"):
-            raise ValueError(
-                f"Trainer(strategy={self._kind!r}) runs on CPU or CUDA devices, not "
-                f"{device_type}. Pass accelerator='cpu' or 'cuda'.")
-        names = [f"cpu:{i}" for i in range(count)] if device_type == "cpu" else \
-            [str(d) for d in devices]
-        if self._kind == "sharded":
-            # One replica per Trainer device; several machines under torchrun.
-            # Imported when asked for: FSDP2 is slow to import (see torchstrategy.__init__).
-            sharded = importlib.import_module("torchstrategy.strategies.sharded")
-            strategy = sharded.ShardedStrategy(devices=names)
-            if strategy.num_replicas_in_sync != count * self.num_nodes:
-                raise ValueError(
-                    f"Trainer(num_nodes={self.num_nodes}, devices={count}) asks for "
-                    f"{count * self.num_nodes} replicas, but the job has "
-                    f"{strategy.num_replicas_in_sync}.")
-            return strategy
-        if self._kind == "multi_worker_mirrored":
-            # One replica per Trainer device on each machine; the machines come from
-            # torchrun's environment (or TF_CONFIG).
-            strategy = MultiWorkerMirroredStrategy(devices=names)
-            if strategy.num_replicas_in_sync != count * self.num_nodes:
-                raise ValueError(
-                    f"Trainer(num_nodes={self.num_nodes}, devices={count}) asks for "
-                    f"{count * self.num_nodes} replicas, but the job has "
-                    f"{strategy.num_replicas_in_sync}. Pass num_nodes= the number of "
-                    "machines and devices= the processes per machine.")
-            return strategy
-        if self.num_nodes != 1:
-            raise ValueError(
-                f"Trainer(strategy='mirrored') runs on one machine, but num_nodes="
-                f"{self.num_nodes}. Use strategy='multi_worker_mirrored' (under "
-                "torchrun) for several machines, or pass num_nodes=1.")
-        try:
-            return MirroredStrategy(devices=names)
-        except RuntimeError as error:
-            if "interactive" not in str(error) and "pytest" not in str(error):
-                raise
-            raise RuntimeError(
-                f"{error} With Lightning, use Trainer(strategy='mirrored_notebook') "
-                "to start the replicas at fit time instead.") from error
+        strategy_class = strategy_registry.trainer_kind(self._kind).strategy_class()
+        return strategy_class.build_for_trainer(devices, self.num_nodes, name=self._kind)
 
     def _configure_launcher(self):
         if self._start_method == "popen":
@@ -516,15 +498,13 @@ class LightningStrategy:
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if self._ts.extended.shards_parameters:
-            # FSDP2 units gather in forward; Lightning calls training_step, so the
-            # LightningModule's children are sharded, each as a model.
-            self._ts.extended.adopt_submodules(self.model)
-        else:
-            _mirror_module(self._ts, self.model)
+        ext = self._ts.extended
+        ext.prepare_trainer_module(self.model)
         fitting = trainer.state.fn == self.lightning.fitting
         if fitting:
             self.setup_optimizers(trainer)
+            for optimizer in self.optimizers:
+                ext.prepare_trainer_optimizer(optimizer, self.model)
         self.setup_precision_plugin()
         if fitting:
             _compat.lightning_optimizers_to_device(self.lightning.name, self.optimizers,
@@ -576,9 +556,10 @@ class LightningStrategy:
         with self._ts.extended.no_sync():
             yield
 
-    # -- checkpoints of a sharded model: full tensors, gathered on every replica ------
+    # -- checkpoints through the strategy where it converts state (a sharded model: full
+    # tensors, gathered on every replica); Lightning's own path otherwise ---------------
     def _sharded(self):
-        return self._ts.extended.shards_parameters
+        return self._ts.extended.converts_checkpoint_state
 
     def lightning_module_state_dict(self):
         if not self._sharded():

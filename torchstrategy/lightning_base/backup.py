@@ -12,10 +12,11 @@ of resumable dataloaders. The callback adds what a Lightning checkpoint lacks: e
 replica's random number generators, so the run continues with the numbers it would have
 drawn.
 
-`CallbackMixin` holds the behaviour; `torchstrategy.lightning.lightning_pytorch` and
-`.pytorch_lightning` each define ``BackupAndRestoreCallback(CallbackMixin, Callback)`` for
-their package. This module imports no Lightning.
+`BackupAndRestoreCallback` holds the behaviour; `callback_class` combines it with each
+Lightning package's ``Callback`` (published in `torchstrategy.lightning.lightning_pytorch`
+and `.pytorch_lightning`). This module imports no Lightning until a callback is made.
 """
+import importlib
 import os
 
 from torchstrategy import _compat
@@ -27,16 +28,26 @@ _FILE = "backup.ckpt"
 
 def callback_class(package=None):
     """The callback class of `package` ("lightning.pytorch" or "pytorch_lightning"; None:
-    the one in use), a subclass of that package's ``Callback``."""
-    return adapter.package_module(package or adapter.packages_in_use()[0]) \
-        .BackupAndRestoreCallback
+    the one in use), a subclass of that package's ``Callback`` and of
+    `BackupAndRestoreCallback`, defined once per process (with the package's adapter
+    class, which registers our strategy names)."""
+    package = package or adapter.packages_in_use()[0]
+    adapter.strategy_class(package)
+
+    def define():
+        # Lightning is an optional dependency, imported only here, on use.
+        callback = importlib.import_module(f"{package}.callbacks").Callback
+        return adapter.new_package_class("BackupAndRestoreCallback",
+                                         (BackupAndRestoreCallback, callback), package,
+                                         {"__doc__": CLASS_DOC, "package": package})
+    return adapter.defined_once(BackupAndRestoreCallback, package, define)
 
 
 class BackupAndRestoreCallback:
     # The docstring is CLASS_DOC, at the end of this module.
     # This class holds the callback's behaviour and is what isinstance checks against;
-    # `torchstrategy.lightning.lightning_pytorch` and `.pytorch_lightning` each combine it
-    # with their package's ``Callback`` and set `package`.
+    # `callback_class` combines it with each Lightning package's ``Callback`` and sets
+    # `package`.
 
     package = None   # "lightning.pytorch" or "pytorch_lightning", set by the subclass
 

@@ -10,31 +10,19 @@ Lightning package already imported, or of the one it imports. ``import torchstra
 alone imports no Lightning and registers nothing.
 
 Registration records a name and a factory; the strategy itself is built when a Trainer
-asks for the name. This module imports no Lightning.
+asks for the name. The names are `torchstrategy.strategies.registry`'s. This module
+imports no Lightning.
 """
 import importlib
 import sys
 
-# name -> (torchstrategy class it needs, kind, start method, description)
-_NAMES = {
-    "mirrored": ("MirroredStrategy", "mirrored", "popen",
-                 "torchstrategy MirroredStrategy: one replica per device, python train.py "
-                 "re-executes itself for the other replicas (or joins torchrun)"),
-    "mirrored_notebook": ("MirroredStrategy", "mirrored", "fork",
-                          "torchstrategy MirroredStrategy with replicas forked at fit "
-                          "(notebooks)"),
-    "one_device": ("OneDeviceStrategy", "one_device", "popen",
-                   "torchstrategy OneDeviceStrategy: one replica on one device"),
-    "multi_worker_mirrored": ("MultiWorkerMirroredStrategy", "multi_worker_mirrored",
-                              "popen", "torchstrategy MultiWorkerMirroredStrategy: "
-                              "several machines under torchrun"),
-    "central_storage": ("CentralStorageStrategy", "central_storage", "popen",
-                        "torchstrategy CentralStorageStrategy"),
-    "tpu": ("TPUStrategy", "tpu", "popen", "torchstrategy TPUStrategy"),
-    "sharded": ("ShardedStrategy", "sharded", "popen",
-                "torchstrategy ShardedStrategy: parameters, gradients and optimizer state "
-                "sharded over one replica per device (FSDP2)"),
-}
+from torchstrategy.strategies import registry as strategy_registry
+
+# name -> (torchstrategy class it builds, kind, start method, description): a view of
+# `torchstrategy.strategies.registry`, which holds the names.
+_NAMES = {entry.name: (strategy_registry.trainer_kind(entry.kind).class_name, entry.kind,
+                       entry.start_method, entry.description)
+          for entry in strategy_registry.NAMES}
 # Prefix for a name Lightning already uses for one of its own strategies.
 _COLLISION_PREFIX = "ts_"
 # The Lightning packages, in the order `registered_names()` looks at them.

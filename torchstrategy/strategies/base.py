@@ -10,21 +10,22 @@ a `Strategy` subclass (its constructor and properties) and a `StrategyExtended` 
 """
 import abc
 import contextlib
+import dataclasses
 import logging
 import numbers
 import threading
 import warnings
-import weakref
+from typing import Any
 
 import torch
 
-from torchstrategy import context, mirroring, nest, values
+from torchstrategy import _compat, context, mirroring, nest, values
 from torchstrategy import ownership
 from torchstrategy.collectives.stats import ReductionStats
 from torchstrategy.devices import parse_device
 from torchstrategy.reduce_op import ReduceOp, as_mean_input, as_reduce_op
 from torchstrategy.run_options import check_run_options
-from torchstrategy.variables import Variable
+from torchstrategy.variables import Variable, VariablesByTensor
 
 # The library logs through the standard "torchstrategy" logger and configures nothing: a
 # program that wants the messages configures logging (the examples call basicConfig).
@@ -52,9 +53,9 @@ class StrategyExtended(abc.ABC):
         # What the scope recorded (the default `record_*` methods below); strategies that
         # keep their state elsewhere (ParameterServerStrategy) override those methods.
         self._mirrored = mirroring.MirroredState()
-        # The ts.Variables made under this strategy, by id of their tensor (weak: a
+        # The ts.Variables made under this strategy, found by their tensor (weak: a
         # variable's entry goes when the variable does); see `created_variable`.
-        self._variables = weakref.WeakValueDictionary()
+        self._variables = VariablesByTensor()
 
     # -- facts ---------------------------------------------------------------------------
     @property
@@ -199,7 +200,7 @@ class StrategyExtended(abc.ABC):
         """Called for every ``ts.Variable`` made while this strategy is the current one (in
         its scope or inside its ``run``): remembered (weakly) for `value_container` and
         `variable_created_in_scope`."""
-        self._variables[id(variable.tensor)] = variable
+        self._variables.add(variable)
 
     def variable_created_in_scope(self, v):
         """True if `v` (a ``ts.Variable``, or a parameter, buffer or tensor) was created in
@@ -207,8 +208,8 @@ class StrategyExtended(abc.ABC):
         module built in ``scope()``, or a variable's tensor (tf.distribute's
         ``extended.variable_created_in_scope``)."""
         tensor = v.tensor if isinstance(v, Variable) else v
-        known = self._variables.get(id(tensor))
-        if known is not None and known.tensor is tensor:
+        known = self._variables.get(tensor)
+        if known is not None:
             return known is v or tensor is v
         if not isinstance(v, torch.Tensor):
             return False
@@ -218,8 +219,8 @@ class StrategyExtended(abc.ABC):
         """The container `value` belongs to: the ``ts.Variable`` whose tensor `value` is, or
         `value` itself (tf.distribute's ``extended.value_container``; nothing else is
         wrapped here, so a parameter is its own container)."""
-        known = self._variables.get(id(value))
-        if known is not None and known.tensor is value:
+        known = self._variables.get(value)
+        if known is not None:
             return known
         return value
 
@@ -358,6 +359,68 @@ class StrategyExtended(abc.ABC):
         """
         obj.load_state_dict(state_dict)
 
+    @property
+    def converts_checkpoint_state(self):
+        """True when `state_dict_for_checkpoint` / `load_state_dict_from_checkpoint` do more
+        than ``state_dict()`` / ``load_state_dict()`` (gather shards, merge a partitioned
+        optimizer state): a checkpoint writer with a path of its own for plain state
+        (Lightning's) then goes through them. By default `shards_parameters`."""
+        return self.shards_parameters
+
+    # -- capabilities: what the library asks of a strategy ----------------------------------
+    @property
+    def replicas_are_threads(self):
+        """True when this process runs its replicas as threads sharing the user's objects
+        (CentralStorageStrategy): a shared object updated inside ``run`` (a metric) is then
+        updated by several threads at once. False by default."""
+        return False
+
+    @property
+    def one_replica_per_process(self):
+        """True when every process of the job runs exactly one replica, with its own copy
+        of the program (the default strategy, OneDeviceStrategy, the mirrored and sharded
+        strategies): a training loop that runs once per process (Lightning's) can then
+        drive the strategy. False where one process runs several replicas (threads, one
+        XLA program) or the replicas run closures (parameter servers)."""
+        return True
+
+    def metric_sync(self):
+        """How ``ts.metrics.sync`` makes a metric updated inside ``run`` give, at
+        ``compute()`` in cross-replica context, the value over every replica's rows: a
+        `MetricSync`. By default the metric's states are gathered over `communicator` when
+        it spans several processes, and updates are serialised when the replicas are
+        threads (`replicas_are_threads`).
+
+        Raises:
+          NotImplementedError: a strategy whose replicas cannot share a metric (saying what
+            to do instead).
+        """
+        comm = self.communicator
+        gather_over = comm if getattr(comm, "world_size", 1) > 1 else None
+        return MetricSync(gather_over=gather_over,
+                          serialize_updates=self.replicas_are_threads)
+
+    def prepare_trainer_module(self, module):
+        """Brings `module`, already on `torch_device`, under this strategy for a training
+        loop that this strategy does not run (Lightning's Trainer): afterwards its
+        parameters are identical on every replica and ``backward()`` communicates their
+        gradients as inside ``run``. Every replica calls it at the same point. By default
+        every parameter and persistent buffer is recorded (as creating them inside
+        ``scope()`` would) and `synchronize_mirrored_state` broadcasts them from replica 0;
+        tensors recorded already are skipped."""
+        for submodule in module.modules():
+            for name, param in submodule.named_parameters(recurse=False):
+                self.record_parameter(submodule, name, param)
+            for name, _buffer in _compat.module_persistent_buffers(submodule):
+                self.record_buffer(submodule, name)
+        self.synchronize_mirrored_state()
+
+    def prepare_trainer_optimizer(self, optimizer, module):
+        """Called for each optimizer such a training loop creates for `module`, after
+        `prepare_trainer_module`, on every replica. The optimizer stays the same object
+        (LR schedulers refer to it): a strategy that partitions optimizer state changes it
+        in place. By default nothing changes."""
+
     def synchronize_buffers(self):
         """Makes mirrored buffers (BatchNorm statistics) identical on every replica; the
         strategy calls it after each ``run``, an adapter driving its own loop (Lightning)
@@ -367,6 +430,23 @@ class StrategyExtended(abc.ABC):
         """What the gradient reduction did in the last synchronised ``backward()``, as a
         `ReductionStats`; all zeros where nothing is communicated."""
         return ReductionStats(num_parameters=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricSync:
+    """How a metric follows a strategy (`StrategyExtended.metric_sync`).
+
+    Attributes:
+      gather_over: the communicator (``gather_objects``, ``all_gather``) over which a
+        metric's states are gathered at ``compute()``; None when one process already holds
+        every replica's updates (or the job has one process).
+      serialize_updates: the replicas are threads of this process sharing the metric: each
+        ``update`` / ``forward`` must hold a lock and move its tensors to the metric's
+        device.
+    """
+
+    gather_over: Any = None
+    serialize_updates: bool = False
 
 
 class Strategy:
@@ -400,6 +480,23 @@ class Strategy:
     @property
     def cluster_resolver(self):
         return None
+
+    @classmethod
+    def build_for_trainer(cls, devices, num_nodes, *, name):
+        """The strategy a training loop that runs once per process (Lightning's Trainer)
+        asks for by `name` (e.g. ``Trainer(strategy="mirrored")``), built from the
+        Trainer's `devices` (the `torch.device`s of this machine's replicas) and
+        `num_nodes`; building it launches or joins the replicas, as the constructor does.
+
+        Raises:
+          ValueError: `devices` / `num_nodes` this strategy cannot run on (the message says
+            what to pass).
+          NotImplementedError: by default (a strategy that is not built from a Trainer's
+            arguments; pass the strategy object instead).
+        """
+        raise NotImplementedError(
+            f"{cls.__name__} is not built from a Trainer's devices: create it yourself and "
+            "pass it (LightningStrategy(strategy)).")
 
     # -- scope ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -572,6 +669,35 @@ class Strategy:
 
     def __repr__(self):
         return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"
+
+
+def trainer_device_names(devices, name):
+    """The device names (``"cpu:0"``, ``"cuda:1"``) of a Trainer's `devices` for a strategy
+    with one process per CPU or CUDA device (`Strategy.build_for_trainer`); several CPU
+    replicas get distinct names.
+
+    Raises:
+      ValueError: devices of another type (the message names the Trainer's `name`).
+    """
+    device_type = devices[0].type
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"Trainer(strategy={name!r}) runs on CPU or CUDA devices, not "
+            f"{device_type}. Pass accelerator='cpu' or 'cuda'.")
+    if device_type == "cpu":
+        return [f"cpu:{i}" for i in range(len(devices))]
+    return [str(d) for d in devices]
+
+
+def check_trainer_replicas(strategy, devices, num_nodes, advice=""):
+    """Raises ValueError when `strategy`'s replica count differs from the Trainer's
+    ``num_nodes * len(devices)`` (`advice` ends the message)."""
+    count = len(devices)
+    if strategy.num_replicas_in_sync != count * num_nodes:
+        raise ValueError(
+            f"Trainer(num_nodes={num_nodes}, devices={count}) asks for "
+            f"{count * num_nodes} replicas, but the job has "
+            f"{strategy.num_replicas_in_sync}.{advice}")
 
 
 def _check_not_mixing(strategy):

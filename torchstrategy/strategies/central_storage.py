@@ -216,6 +216,15 @@ class CentralStorageExtended(StrategyExtended):
     def communicator(self):
         return self._threads
 
+    @property
+    def replicas_are_threads(self):
+        """The replicas are threads of this process, sharing the user's objects."""
+        return True
+
+    @property
+    def one_replica_per_process(self):
+        return False
+
     # -- running ---------------------------------------------------------------------------
     def default_replica_context(self):
         return ReplicaContext(self._container, 0, self._parameter_device)

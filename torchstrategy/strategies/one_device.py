@@ -21,5 +21,20 @@ class OneDeviceStrategy(Strategy):
         super().__init__(SPMDExtended(self, communicator, torch_device))
         self._device_name = parsed.name
 
+    @classmethod
+    def build_for_trainer(cls, devices, num_nodes, *, name):
+        """One replica on the Trainer's one device (``Trainer(strategy="one_device")``).
+
+        Raises:
+          ValueError: more than one device or node.
+        """
+        count = len(devices)
+        if count != 1 or num_nodes != 1:
+            raise ValueError(
+                f"Trainer(strategy={name!r}) runs one replica, but the Trainer "
+                f"asks for {count} device(s) on {num_nodes} node(s). Pass "
+                "devices=1, or use strategy='mirrored' for several devices.")
+        return cls(devices[0])
+
     def __repr__(self):
         return f"OneDeviceStrategy(device={self._device_name!r})"

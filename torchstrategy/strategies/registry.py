@@ -1,0 +1,108 @@
+"""The strategies a training loop that runs once per process (Lightning's Trainer) can ask
+for by name: ``Trainer(strategy="mirrored")``.
+
+This is the one table of strategy names outside ``torchstrategy/__init__.py``; the
+Lightning adapter and its registration read it and name no strategy themselves. A new
+strategy that a Trainer may build adds a `TrainerKind` (and the `TrainerName`s that build
+it) here, and implements ``Strategy.build_for_trainer``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Callable
+
+from torchstrategy.strategies.base import Strategy
+from torchstrategy.strategies.central_storage import CentralStorageStrategy
+from torchstrategy.strategies.mirrored import MirroredStrategy
+from torchstrategy.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
+from torchstrategy.strategies.one_device import OneDeviceStrategy
+from torchstrategy.strategies.tpu import TPUStrategy
+
+# Imported when a Trainer builds it, as torchstrategy.ShardedStrategy is: FSDP2 and DTensor
+# are slow to import and only ShardedStrategy needs them.
+_SHARDED_MODULE = "torchstrategy.strategies.sharded"
+
+
+def _sharded_strategy() -> type[Strategy]:
+    return importlib.import_module(_SHARDED_MODULE).ShardedStrategy
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerKind:
+    """A strategy a Trainer can name.
+
+    Attributes:
+      kind: its name for ``LightningStrategy(kind=...)``.
+      class_name: the name of its `Strategy` class (for messages).
+      load: returns that class (importing its module, for ShardedStrategy).
+      start_methods: how its replicas may be started under a Trainer ("popen": built when
+        the Trainer is, re-executing the program or joining torchrun; "fork": forked at
+        ``fit``). Empty for a strategy that runs several replicas in one process, which a
+        loop running once per process cannot drive.
+    """
+
+    kind: str
+    class_name: str
+    load: Callable[[], type[Strategy]]
+    start_methods: tuple[str, ...]
+
+    @property
+    def runs_under_a_trainer(self) -> bool:
+        return bool(self.start_methods)
+
+    def strategy_class(self) -> type[Strategy]:
+        """The `Strategy` subclass."""
+        return self.load()
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerName:
+    """A name registered in Lightning's ``StrategyRegistry``: builds `kind` with
+    `start_method`; `description` is what Lightning lists (and how our registrations are
+    recognised in its registry)."""
+
+    name: str
+    kind: str
+    start_method: str
+    description: str
+
+
+KINDS: tuple[TrainerKind, ...] = (
+    TrainerKind("mirrored", "MirroredStrategy", lambda: MirroredStrategy, ("popen", "fork")),
+    TrainerKind("one_device", "OneDeviceStrategy", lambda: OneDeviceStrategy, ("popen",)),
+    TrainerKind("multi_worker_mirrored", "MultiWorkerMirroredStrategy",
+                lambda: MultiWorkerMirroredStrategy, ("popen",)),
+    TrainerKind("sharded", "ShardedStrategy", _sharded_strategy, ("popen",)),
+    TrainerKind("central_storage", "CentralStorageStrategy", lambda: CentralStorageStrategy,
+                ()),
+    TrainerKind("tpu", "TPUStrategy", lambda: TPUStrategy, ()),
+)
+
+NAMES: tuple[TrainerName, ...] = (
+    TrainerName("mirrored", "mirrored", "popen",
+                "torchstrategy MirroredStrategy: one replica per device, python train.py "
+                "re-executes itself for the other replicas (or joins torchrun)"),
+    TrainerName("mirrored_notebook", "mirrored", "fork",
+                "torchstrategy MirroredStrategy with replicas forked at fit (notebooks)"),
+    TrainerName("one_device", "one_device", "popen",
+                "torchstrategy OneDeviceStrategy: one replica on one device"),
+    TrainerName("multi_worker_mirrored", "multi_worker_mirrored", "popen",
+                "torchstrategy MultiWorkerMirroredStrategy: several machines under torchrun"),
+    TrainerName("central_storage", "central_storage", "popen",
+                "torchstrategy CentralStorageStrategy"),
+    TrainerName("tpu", "tpu", "popen", "torchstrategy TPUStrategy"),
+    TrainerName("sharded", "sharded", "popen",
+                "torchstrategy ShardedStrategy: parameters, gradients and optimizer state "
+                "sharded over one replica per device (FSDP2)"),
+)
+
+
+def trainer_kind(kind: str) -> TrainerKind | None:
+    """The `TrainerKind` named `kind`, or None."""
+    return next((entry for entry in KINDS if entry.kind == kind), None)
+
+
+def kinds_under_a_trainer() -> list[str]:
+    """The kinds a Trainer can build, sorted (what an error about a bad kind lists)."""
+    return sorted(entry.kind for entry in KINDS if entry.runs_under_a_trainer)
