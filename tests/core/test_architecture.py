@@ -198,7 +198,8 @@ class _DynamicNames:
         return None
 
     def _binding(self, name: str, at: ast.AST) -> object:
-        """What binds `name` where `at` is: a loop (its node), a parameter, a constant."""
+        """What binds `name` where `at` is: an enclosing loop (its node), "parameter" or
+        "local" of an enclosing function, "constant" of the module, or None."""
         node = at
         while node in self.parents:
             node = self.parents[node]
@@ -215,6 +216,9 @@ class _DynamicNames:
                     [a for a in (arguments.vararg, arguments.kwarg) if a is not None]
                 if any(a.arg == name for a in every):
                     return "parameter"
+                if any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store)
+                       for n in ast.walk(node)):
+                    return "local"
         return "constant" if name in self.constants else None
 
     def names(self, node: ast.expr, at: ast.AST) -> Optional[set[str]]:
@@ -840,16 +844,20 @@ def test_parser_reports_names_it_cannot_resolve():
             importlib.import_module(f"{package}.strategies")
             importlib.import_module(MODULES[0])
             importlib.import_module(f"{package}.callbacks")
+        def other():
+            MODULES = pick()
+            importlib.import_module(MODULES[0])
         """, "torchstrategy.strategies": ""})
-    assert [(i.target, i.expression) for i in imports if i.dynamic] == [
-        (None, "f'{package}.strategies'"), (None, "MODULES[0]"),
-        (None, "f'{package}.callbacks'")]
-    # f"{package}.strategies" could be torchstrategy.strategies; nothing of ours ends in
-    # ".callbacks", so that one is another package's module.
-    assert [i.maybe_own for i in imports if i.dynamic] == [True, True, False]
-    assert len(unresolved_imports(imports)) == 2
-    assert len(unresolved_imports(imports, [("torchstrategy.a", "f'{package}.strategies'"),
-                                            ("torchstrategy.a", "MODULES[0]")])) == 0
+    # A parameter or a local variable hides the module-level MODULES. f"{package}.strategies"
+    # could be torchstrategy.strategies; nothing of ours ends in ".callbacks", so that one
+    # is another package's module.
+    assert sorted((i.line, i.target, i.expression, i.maybe_own)
+                  for i in imports if i.dynamic) == [
+        (5, None, "f'{package}.strategies'", True), (6, None, "MODULES[0]", True),
+        (7, None, "f'{package}.callbacks'", False), (10, None, "MODULES[0]", True)]
+    assert len(unresolved_imports(imports)) == 3
+    assert unresolved_imports(imports, [("torchstrategy.a", "f'{package}.strategies'"),
+                                        ("torchstrategy.a", "MODULES[0]")]) == []
 
 
 def test_upward_imports_are_found_for_dynamic_imports():
