@@ -15,10 +15,12 @@ import of the package needed) and fails on:
 "Import" includes the dynamic ones: ``importlib.import_module(name)`` and ``__import__(name)``
 where `name` is a string, an f-string or sum of resolvable parts, a module-level constant
 (a string, or a tuple/list/set/dict of strings, also one imported from another module of the
-package), an entry of such a constant (``MODULES[key]``), or a loop variable over one. A
-dynamic import whose name cannot be resolved fails, unless `UNRESOLVED_THIRD_PARTY` lists it
-with the reason it imports another package's module. The parser itself is tested on small
-sources below, so the detection cannot silently stop working.
+package), an entry of such a constant (``MODULES[key]``), a loop variable over one, or
+``self.<field>`` of records the module builds from strings. A dynamic import whose name
+cannot be resolved, and whose resolvable parts fit one of our modules, fails unless
+`UNRESOLVED_THIRD_PARTY` lists it with the reason it imports another package's module. The
+parser itself is tested on small sources below, so the detection cannot silently stop
+working.
 
 Then imports torchstrategy in a fresh interpreter and checks it has no side effects.
 """
@@ -100,8 +102,9 @@ def _package_sources() -> Iterator[tuple[Source, str]]:
                     yield parse_source(dotted, file.read(), is_package), path
 
 
-SOURCES = {source.module: source for source, _ in _package_sources()}
-PATHS = {source.module: path for source, path in _package_sources()}
+_PARSED = list(_package_sources())
+SOURCES = {source.module: source for source, _ in _PARSED}
+PATHS = {source.module: path for source, path in _PARSED}
 MODULES = set(SOURCES)
 KNOWN = MODULES | EXTENSIONS
 
