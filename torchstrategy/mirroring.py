@@ -5,10 +5,12 @@ recorded as mirrored, through torch's global module registration hooks. Nothing 
 or replaced: the user's modules and their ``state_dict()`` keys stay exactly as they are.
 """
 import weakref
+from typing import Callable
 
+import torch
 from torch.nn.modules import module as nn_module
 
-from torchstrategy import _compat, context, runtime
+from torchstrategy import _compat, context, module_state, runtime
 
 
 def _capturing_strategy():
@@ -51,37 +53,44 @@ class MirroredState:
     them from replica 0 at scope exit (or before the next ``run``).
     """
 
-    def __init__(self):
-        self._params = []
-        self._param_ids = set()
-        self._buffer_refs = []        # (weakref to module, name)
-        self._buffer_keys = set()
-        self._pending = []        # callables returning the tensor to broadcast
+    def __init__(self) -> None:
+        # The recorded parameters, in registration order, kept alive (a mirrored parameter
+        # stays one for the strategy's life) and keyed by identity, not by id().
+        self._params: module_state.IdentityMap[torch.Tensor, None] = \
+            module_state.IdentityMap()
+        self._buffer_refs: list[tuple[weakref.ReferenceType[torch.nn.Module], str]] = []
+        # module -> names of its recorded buffers; an entry goes with its module, so a new
+        # module is never mistaken for a dead one.
+        self._buffer_names: weakref.WeakKeyDictionary[torch.nn.Module, set[str]] = \
+            weakref.WeakKeyDictionary()
+        # (label, a function returning the tensor to broadcast, None if it is gone)
+        self._pending: list[tuple[str, Callable[..., torch.Tensor | None]]] = []
 
-    def is_parameter(self, tensor):
+    def is_parameter(self, tensor: object) -> bool:
         """True for a recorded parameter (or trainable variable tensor)."""
-        return id(tensor) in self._param_ids
+        return tensor in self._params
 
-    def add_parameter(self, param, label="parameter"):
+    def add_parameter(self, param: torch.Tensor, label: str = "parameter") -> None:
         """Records `param`; `label` names it in errors (e.g. "Linear.weight")."""
-        if id(param) in self._param_ids:
+        if param in self._params:
             return
-        self._param_ids.add(id(param))
-        self._params.append(param)
+        self._params[param] = None
         self._pending.append((label, lambda p=param: p))
 
-    def add_buffer(self, module, name):
-        key = (id(module), name)
-        if key in self._buffer_keys:
+    def add_buffer(self, module: torch.nn.Module, name: str) -> None:
+        """Records `module`'s buffer `name` (read through the module, which may replace the
+        tensor later)."""
+        names = self._buffer_names.setdefault(module, set())
+        if name in names:
             return
-        self._buffer_keys.add(key)
+        names.add(name)
         ref = weakref.ref(module)
         self._buffer_refs.append((ref, name))
         self._pending.append((f"{type(module).__name__}.{name} (buffer)",
                               lambda r=ref, n=name: None if r() is None
                               else _compat.module_buffer(r(), n)))
 
-    def add_tensor(self, tensor, trainable, label="variable"):
+    def add_tensor(self, tensor: torch.Tensor, trainable: bool, label: str = "variable") -> None:
         """A variable's tensor: broadcast like the rest; trainable ones get gradient sync."""
         if trainable:
             self.add_parameter(tensor, label)
@@ -89,12 +98,15 @@ class MirroredState:
             self._pending.append((label, lambda t=tensor: t))
 
     @property
-    def parameters(self):
-        return list(self._params)
+    def parameters(self) -> list[torch.Tensor]:
+        """The recorded parameters, in registration order."""
+        return self._params.keys()
 
-    def buffers(self):
+    def buffers(self) -> list[torch.Tensor]:
         """The live buffer tensors (a module may have replaced a buffer since)."""
         out = []
+        self._buffer_refs = [(ref, name) for ref, name in self._buffer_refs
+                             if ref() is not None]
         for ref, name in self._buffer_refs:
             module = ref()
             if module is not None:
@@ -103,22 +115,23 @@ class MirroredState:
                     out.append(tensor)
         return out
 
-    def floating_buffers(self):
+    def floating_buffers(self) -> list[torch.Tensor]:
         return [b for b in self.buffers() if b.is_floating_point()]
 
-    def take_pending_labelled(self):
+    def take_pending_labelled(self) -> list[tuple[str, torch.Tensor]]:
         """Returns (and forgets) the (label, tensor) pairs registered since the last call,
         in registration order, each tensor once."""
         pending, self._pending = self._pending, []
         out, seen = [], set()
         for label, get in pending:
             tensor = get()
+            # ids of tensors alive for this call only (held by `out`): not a side table.
             if tensor is not None and id(tensor) not in seen:
                 seen.add(id(tensor))
                 out.append((label, tensor))
         return out
 
-    def take_pending(self):
+    def take_pending(self) -> list[torch.Tensor]:
         """Returns (and forgets) the tensors registered since the last call."""
         return [tensor for _, tensor in self.take_pending_labelled()]
 

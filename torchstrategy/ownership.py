@@ -15,22 +15,24 @@ they were built, and a one-time check that ``run`` trains only what the strategy
   (a model created outside the scope and not adopted: its gradients are not summed and
   replicas drift apart). Later runs pay nothing.
 
-The state lives in the runtime (`runtime.current().state`), never at module level.
+The live strategy is runtime state (`runtime.current().state`), never at module level; an
+adopted module carries its adoption itself (`torchstrategy.module_state`: a state in the
+module's ``__dict__`` naming the strategy's extended, weakly).
 """
 import contextlib
 import warnings
 import weakref
+from typing import Any
 
 import torch
 from torch.nn.modules import module as nn_module
 
-from torchstrategy import context, mirroring, runtime
+from torchstrategy import context, mirroring, module_state, runtime
 
 
 class _Ownership:
-    def __init__(self):
-        self.last_scoped = None                       # weakref to a Strategy
-        self.adopted = weakref.WeakKeyDictionary()    # nn.Module -> weakref to its Strategy
+    def __init__(self) -> None:
+        self.last_scoped: weakref.ReferenceType[Any] | None = None   # weakref to a Strategy
 
 
 def _state():
@@ -89,7 +91,7 @@ def adopt(strategy, module, optimizer=None):
         moved = _place(module, ext.torch_device)
         if moved and optimizer is not None:
             _move_optimizer_state(optimizer)
-        _record_tree(strategy, module)
+        _record_tree(ext, module)
     # The scope's exit broadcast the module's tensors; the optimizer's state (loaded from a
     # checkpoint, or from steps taken before) must start identical too.
     if optimizer is not None:
@@ -136,14 +138,12 @@ def _optimizer_state_tensors(optimizer):
     return out
 
 
-def _record_tree(strategy, module):
+def _record_tree(ext, module):
     """Records every parameter and buffer of `module` and its submodules with the strategy
-    (the calls the scope's registration hooks make), and remembers the modules as adopted."""
-    ext = strategy.extended
-    adopted = _state().adopted
-    ref = weakref.ref(strategy)
+    whose extended is `ext` (the calls the scope's registration hooks make), and marks the
+    modules as adopted by it (their `module_state`)."""
     for sub in module.modules():
-        adopted[sub] = ref
+        module_state.attach(sub, ext).adopted = True
         for name, param in sub.named_parameters(recurse=False):
             ext.record_parameter(sub, name, param)
         for name, _ in sub.named_buffers(recurse=False):
@@ -151,47 +151,51 @@ def _record_tree(strategy, module):
 
 
 def _adopter(module):
-    ref = _state().adopted.get(module)
-    return None if ref is None else ref()
+    """The extended of the strategy that adopted `module` (alive), or None. One dict lookup
+    for a module that was never adopted: these hooks see every registration in the
+    process."""
+    state = module_state.state_of(module)
+    return state.owner if state is not None and state.adopted else None
 
 
-def _capturing(strategy):
-    """True where the scope's own hooks already record for `strategy`."""
-    return context.active_non_default_strategy() is strategy and \
+def _capturing(ext):
+    """True where the scope's own hooks already record for the strategy of `ext`."""
+    strategy = context.active_non_default_strategy()
+    return strategy is not None and strategy.extended is ext and \
         context.get_strategy() is strategy
 
 
-def _after_registration(strategy):
+def _after_registration(ext):
     # Outside the scope and outside run, nothing else would synchronise what was just
     # recorded before the next backward of a DDP-style loop: do it now (every replica
     # registers the same tensors at the same point). Inside the scope, its exit does it;
     # inside run, the next run's start.
     if not context.in_run() and context.active_non_default_strategy() is None:
-        strategy.extended.synchronize_mirrored_state()
+        ext.synchronize_mirrored_state()
 
 
 def _on_parameter(module, name, param):
-    strategy = _adopter(module)
-    if strategy is not None and param is not None and not _capturing(strategy):
-        strategy.extended.record_parameter(module, name, param)
-        _after_registration(strategy)
+    ext = _adopter(module)
+    if ext is not None and param is not None and not _capturing(ext):
+        ext.record_parameter(module, name, param)
+        _after_registration(ext)
     return None
 
 
 def _on_buffer(module, name, buffer):
-    strategy = _adopter(module)
-    if strategy is not None and buffer is not None and not _capturing(strategy):
-        strategy.extended.record_buffer(module, name)
-        _after_registration(strategy)
+    ext = _adopter(module)
+    if ext is not None and buffer is not None and not _capturing(ext):
+        ext.record_buffer(module, name)
+        _after_registration(ext)
     return None
 
 
 def _on_submodule(module, name, submodule):
-    strategy = _adopter(module)
-    if strategy is not None and submodule is not None:
-        _record_tree(strategy, submodule)
-        if not _capturing(strategy):
-            _after_registration(strategy)
+    ext = _adopter(module)
+    if ext is not None and submodule is not None:
+        _record_tree(ext, submodule)
+        if not _capturing(ext):
+            _after_registration(ext)
     return None
 
 

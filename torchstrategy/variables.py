@@ -11,9 +11,11 @@ A variable wraps a torch tensor (`tensor`; an ``nn.Parameter`` when trainable, s
 handed to an optimizer and gets its gradient summed like any mirrored parameter). Torch
 functions and Python operators accept a variable wherever they accept a tensor.
 """
+import weakref
+
 import torch
 
-from torchstrategy import _compat, context
+from torchstrategy import _compat, context, module_state
 from torchstrategy.aggregation import (VariableAggregation, VariableSynchronization,
                                       as_enum as _as_enum)
 from torchstrategy.reduce_op import ReduceOp
@@ -266,3 +268,39 @@ class SyncOnReadVariable(Variable):
     def __repr__(self):
         return (f"SyncOnReadVariable(name={self._name!r}, "
                 f"aggregation={self._aggregation.name}, local={self._tensor!r})")
+
+
+class VariablesByTensor:
+    """The ``ts.Variable``s made under one strategy, found by their tensor.
+
+    Weak in the variables: an entry goes when its variable does (until then it holds the
+    tensor, as the variable does). Keyed by the tensor's identity (`module_state.IdentityMap`,
+    which keeps it alive), so a new tensor is never taken for a dead variable's, and no weak
+    reference is put on the tensor (``torch.utils.swap_tensors`` refuses tensors that have
+    one).
+    """
+
+    def __init__(self) -> None:
+        self._entries: module_state.IdentityMap[torch.Tensor, weakref.ReferenceType[Variable]]
+        self._entries = module_state.IdentityMap()
+
+    def add(self, variable: Variable) -> None:
+        """Remembers `variable` under its tensor (a later variable of the same tensor wins)."""
+        tensor = variable.tensor
+        entries = weakref.ref(self._entries)
+
+        def forget(ref: weakref.ReferenceType[Variable]) -> None:
+            table = entries()
+            if table is not None and table.get(tensor) is ref:
+                table.pop(tensor)
+
+        self._entries[tensor] = weakref.ref(variable, forget)
+
+    def get(self, tensor: object) -> Variable | None:
+        """The live variable whose tensor is `tensor` (itself, not an equal one), or None."""
+        ref = self._entries.get(tensor)
+        variable = None if ref is None else ref()
+        return variable if variable is not None and variable.tensor is tensor else None
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -51,7 +51,7 @@ import weakref
 
 import torch
 
-from torchstrategy import _compat, _ops, runtime
+from torchstrategy import _compat, _ops, module_state, runtime
 from torchstrategy.collectives.communicator import explained_failures
 from torchstrategy.collectives.cross_device_ops import NcclAllReduce
 from torchstrategy.collectives.stats import ReductionStats
@@ -88,8 +88,9 @@ class GradientReducer:
         runtime.current().track_reducer(self)
         self._cap = int(bucket_cap_bytes)
         self._params = []          # registration order
-        self._known = set()        # ids of registered parameters
-        self._index = {}           # id(param) -> registration index
+        # param -> its registration index, by identity (the parameters are kept alive, so
+        # none can be mistaken for another).
+        self._index: module_state.IdentityMap[torch.Tensor, int] = module_state.IdentityMap()
         cross_device_ops = communicator.cross_device_ops
         self._compression = getattr(cross_device_ops, "compression", None)
         this = weakref.ref(self)   # the C++ reducer must not keep this object alive
@@ -128,10 +129,9 @@ class GradientReducer:
         gradients arrive in, and the buckets are rebuilt once in that order after it."""
         new = []
         for p in params:
-            if id(p) in self._known or not p.requires_grad:
+            if p in self._index or not p.requires_grad:
                 continue
-            self._known.add(id(p))
-            self._index[id(p)] = len(self._params)
+            self._index[p] = len(self._params)
             self._params.append(p)
             new.append(p)
         if new:
@@ -193,7 +193,8 @@ class GradientReducer:
 
     def is_bucket_view(self, param):
         """True when ``param.grad`` lives in its bucket (no copy at the next all-reduce)."""
-        return id(param) in self._index and self._core.is_bucket_view(self._index[id(param)])
+        index = self._index.get(param)
+        return index is not None and self._core.is_bucket_view(index)
 
     def stats(self):
         """The `ReductionStats` of the last synchronised backward."""

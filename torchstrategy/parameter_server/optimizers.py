@@ -16,6 +16,7 @@ those copies in step:
   shards the variables have now.
 """
 import threading
+import weakref
 
 import torch
 
@@ -113,7 +114,9 @@ class RemoteOptimizer:
     """
 
     def __init__(self, optimizer, key, layouts):
-        self._optimizer = optimizer
+        # Weak: the strategy finds this object through the optimizer (a weak-keyed table),
+        # so the optimizer's life is the user's to decide.
+        self._optimizer_ref = weakref.ref(optimizer)
         self._key = key
         self._layouts = tuple(tuple(group) for group in layouts)
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -122,6 +125,14 @@ class RemoteOptimizer:
         self._version = 0
         self._sent = _copy_settings(_settings(optimizer))
         self._servers = sorted({s.ps for l in self._flat_layouts for s in l.shards})
+
+    @property
+    def _optimizer(self) -> torch.optim.Optimizer:
+        optimizer = self._optimizer_ref()
+        if optimizer is None:
+            raise RuntimeError("The optimizer whose state lives on the parameter servers no "
+                               "longer exists.")
+        return optimizer
 
     def create(self):
         """Builds the optimizer's copies on the servers (starting from the user's

@@ -72,6 +72,9 @@ class ReplicaReads(TorchFunctionMode):
         self.session = session
         self.replica_id = replica_id
         self.device = device
+        # Keyed by id(), on the hot path of every torch call in a replica: these tables
+        # live for one run, whose `RunSession` holds every central tensor, so no id can
+        # change hands while they exist (not a side table that outlives its keys).
         self.copies = {}         # id(central tensor) -> this replica's copy
         self.grads = {}          # id(central parameter) -> this replica's view of .grad
         self._suspended = 0      # >0: operations see the central tensors themselves

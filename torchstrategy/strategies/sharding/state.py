@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 from torch.optim import optimizer as optim_lib
+from torch.utils.weak import WeakIdKeyDictionary
 
 from torchstrategy import runtime
 
@@ -35,22 +36,26 @@ class StaleParameters:
     it: ``torch.utils.swap_tensors`` (``module.to()`` / ``.cpu()`` on an FSDP2 module)
     refuses tensors that have weak references."""
 
-    def __init__(self):
-        self._replaced = {}                          # id(old) -> (ref(old), ref(root), name)
+    def __init__(self) -> None:
+        # old (unsharded) parameter -> (weakref to its model's root, its name there). Weak
+        # in the old parameters (no longer any module's, so a weak reference to them stops
+        # nothing): an entry goes with its parameter, and a new tensor is never taken for
+        # a dead one.
+        self._replaced = WeakIdKeyDictionary()
         self._version = 0
-        self._adopted = weakref.WeakKeyDictionary()  # optimizer -> version it saw
+        # optimizer -> the version it saw
+        self._adopted: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = \
+            weakref.WeakKeyDictionary()
 
-    def add(self, root, before):
+    def add(self, root: torch.nn.Module, before: dict[str, torch.Tensor]) -> None:
         """Records that `root`'s parameters `before` (name -> unsharded parameter) were
         replaced by its parameters of the same names."""
-        self._replaced = {key: refs for key, refs in self._replaced.items()
-                          if refs[0]() is not None}
         root_ref = weakref.ref(root)
         for name, old in before.items():
-            self._replaced[id(old)] = (weakref.ref(old), root_ref, name)
+            self._replaced[old] = (root_ref, name)
         self._version += 1
 
-    def adopt(self, optimizer):
+    def adopt(self, optimizer: torch.optim.Optimizer) -> None:
         """Replaces, in `optimizer`'s parameter groups, every parameter that sharding
         replaced by its sharded parameter. Cheap when there is nothing to do.
 
@@ -64,10 +69,11 @@ class StaleParameters:
         for group in optimizer.param_groups:
             params = group["params"]
             for index, param in enumerate(params):
-                refs = self._replaced.get(id(param))
-                if refs is None or refs[0]() is not param:
+                replaced = self._replaced.get(param)
+                if replaced is None:
                     continue
-                new = _parameter(refs[1](), refs[2])
+                root_ref, name = replaced
+                new = _parameter(root_ref(), name)
                 if new is param:
                     continue
                 if new is None:
