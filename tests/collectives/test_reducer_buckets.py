@@ -4,6 +4,8 @@ the rebuild from the observed gradient order, statistics, and unused parameters.
 
 Gradients here are small integers, so every sum is exact in every dtype and the tests
 compare with ``torch.equal``."""
+import time
+
 import pytest
 import torch
 import torch.nn as nn
@@ -20,6 +22,10 @@ def aligned(elements, element_size):
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 SHAPES = [(3, 5), (7,), (2, 2, 3), (4,), (1,), (6, 3)]
+# How late replica 1 starts its last synchronised backward: replica 0, its computation
+# done, waits for replica 1's gradients (exposed communication); replica 1 finds replica
+# 0's already there.
+LATE_SECONDS = 1.0
 
 
 class ChainNet(nn.Module):
@@ -128,9 +134,19 @@ def _bucket_views_and_rebuild():
     with strategy.extended.no_sync():
         strategy.run(backward, args=(4,))
     res["local"] = _grads(model)
-    strategy.run(backward, args=(5,))
+
+    def late_backward(step):
+        if rank == 1:
+            time.sleep(LATE_SECONDS)
+        backward(step)
+
+    strategy.run(late_backward, args=(5,))
     res["no_sync"] = _grads(model)
     res["stats_last"] = strategy.extended.stats()
+    # The statistics are those of the last synchronised backward: a local one leaves them.
+    with strategy.extended.no_sync():
+        strategy.run(backward, args=(6,))
+    res["stats_after_local"] = strategy.extended.stats()
     res["on_process_group"] = reducer.launches_on_process_group()
     res["order_final"] = [index[id(p)] for p in reducer.bucket_order]
     return from_every_replica(res)
@@ -202,11 +218,15 @@ def test_gradients_are_bucket_views_with_exact_sums_in_every_dtype():
         assert stats.num_parameters == 9
         assert stats.steps == 5 and res["stats_first"].steps == 1
         assert stats.compression is None
-        assert stats.exposed_communication_seconds >= 0.0
+        assert res["stats_after_local"] == stats
         # The default NcclAllReduce is launched from C++ on the c10d process group.
         assert res["on_process_group"]
     # Every replica has the same buckets.
     assert per_replica[0]["order_final"] == per_replica[1]["order_final"]
+    # Replica 0 waited out replica 1's late start after its own backward; replica 1, last
+    # to arrive, waited only for the transfer.
+    exposed = [res["stats_last"].exposed_communication_seconds for res in per_replica]
+    assert exposed[0] > exposed[1], exposed
 
 
 def _compressed(compression):

@@ -9,7 +9,6 @@
 """
 import os
 import re
-import time
 
 import pytest
 import torch
@@ -55,11 +54,9 @@ def test_a_dead_or_hung_peer_fails_the_survivor_naming_it(tmp_path, mode, cause)
     timeout = 15
     machines = start_tf_config_machines(mode, tmp_path, replicas=1,
                                         TORCHSTRATEGY_TIMEOUT_SECONDS=timeout)
-    start = time.monotonic()
     survivor, peer = machines
     try:
-        code = survivor.wait(timeout=120)
-        elapsed = time.monotonic() - start
+        code = survivor.wait(timeout=120)   # a hang guard, far above start-up + timeout
     finally:
         peer.kill()  # a hung peer is still sleeping
     log = survivor.log()
@@ -67,8 +64,8 @@ def test_a_dead_or_hung_peer_fails_the_survivor_naming_it(tmp_path, mode, cause)
     assert "finished all steps" not in log
     assert cause in log, log[-3000:]
     assert "Missing: replica 1 (on worker:1) is not responding (died or stuck)." in log
-    # Start-up (two interpreters importing torch) plus one timeout plus the roll call.
-    assert elapsed < 60 + timeout
+    if mode == "peer_death":   # noticed as a death, not waited out until the timeout
+        assert "did not complete within the strategy's timeout" not in log, log[-3000:]
 
 
 def test_a_worker_that_never_comes_is_named_and_nobody_hangs(tmp_path):

@@ -5,7 +5,6 @@ import json
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -30,13 +29,12 @@ def test_a_worker_gives_up_on_a_port_held_by_another_program_and_names_it():
         env["TF_CONFIG"] = json.dumps({
             "cluster": {"worker": [f"127.0.0.1:{port}", "127.0.0.1:2222"]},
             "task": {"type": "worker", "index": 1}})
-        start = time.monotonic()
+        # 90 s: a hang guard only (without the bound, torch's handshake waits forever).
         result = subprocess.run([sys.executable, "-c", WORKER], env=env, capture_output=True,
                                 text=True, timeout=90)
-        elapsed = time.monotonic() - start
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert f"127.0.0.1:{port}" in last, result.stderr[-3000:]
-    assert "did not answer as a rendezvous store" in last, result.stderr[-3000:]
-    # The timeout plus the connection's grace period, plus the interpreter's start-up.
-    assert elapsed < 60, elapsed
+    # It gave up because of the strategy's timeout, and says which.
+    assert f"did not answer as a rendezvous store within {TIMEOUT} s" in last, \
+        result.stderr[-3000:]
