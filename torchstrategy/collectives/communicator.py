@@ -7,22 +7,31 @@ unpack). Many small tensors therefore cost one collective, not one each.
 
 With one replica every operation is local and issues no collective.
 """
+from __future__ import annotations
+
 import collections
 import contextlib
 import datetime
 import hashlib
 import itertools
 import math
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from torchstrategy import _ops, runtime
 from torchstrategy.collectives import roll_call
-from torchstrategy.collectives.cross_device_ops import wait_for
+from torchstrategy.collectives.cross_device_ops import CrossDeviceOps, Pending, wait_for
 from torchstrategy.communication_options import (CommunicationImplementation,
                                                  CommunicationOptions)
 from torchstrategy.reduce_op import ReduceOp, as_reduce_op, check_mean_dtype
+
+
+# What replicas compare before a collective: (shape, dtype name) of each tensor.
+Layout = Sequence[tuple[tuple[Any, ...], str]]
+# Says, for a failed collective, which replicas are to blame: ``diagnose(rank) -> sentence``.
+Diagnose = Callable[[int], str]
 
 
 class CollectiveError(RuntimeError):
@@ -31,7 +40,8 @@ class CollectiveError(RuntimeError):
 
 
 @contextlib.contextmanager
-def explained_failures(what, rank, diagnose=None):
+def explained_failures(what: str, rank: int, diagnose: Diagnose | None = None
+                       ) -> Iterator[None]:
     """Re-raises a backend failure inside the block as a `CollectiveError` that says what
     was being done and what usually causes it (the backend's text is kept). `diagnose`,
     if given, is called with `rank` and returns one more sentence (e.g. naming the replicas
@@ -58,8 +68,10 @@ def explained_failures(what, rank, diagnose=None):
                               f"Backend: {text.splitlines()[0][:300]}") from error
 
 
-def _layout(tensors):
-    offsets, numels, total = [], [], 0
+def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], list[int], int]:
+    offsets: list[int] = []
+    numels: list[int] = []
+    total = 0
     for t in tensors:
         offsets.append(total)
         numels.append(t.numel())
@@ -67,32 +79,33 @@ def _layout(tensors):
     return offsets, numels, total
 
 
-def _dtype_name(tensor):
+def _dtype_name(tensor: torch.Tensor) -> str:
     return str(tensor.dtype).replace("torch.", "")
 
 
-def _shape_outside(tensor, axis):
+def _shape_outside(tensor: torch.Tensor, axis: int) -> tuple[Any, ...]:
     """`tensor`'s shape with the size along `axis` replaced by "*" (it may differ)."""
     axis %= tensor.dim()
     return tuple("*" if d == axis else size for d, size in enumerate(tensor.shape))
 
 
-def _by_dtype(tensors):
-    groups = collections.OrderedDict()
+def _by_dtype(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, list[int]]:
+    groups: dict[torch.dtype, list[int]] = collections.OrderedDict()
     for index, t in enumerate(tensors):
         groups.setdefault(t.dtype, []).append(index)
     return groups
 
 
-def _packs(tensors, bytes_per_pack):
+def _packs(tensors: Sequence[torch.Tensor], bytes_per_pack: int) -> list[list[int]]:
     """Indices of `tensors` in packs of one dtype each and, when `bytes_per_pack` > 0, at
     most that many bytes (a larger tensor travels alone)."""
-    packs = []
+    packs: list[list[int]] = []
     for indices in _by_dtype(tensors).values():
         if not bytes_per_pack:
             packs.append(indices)
             continue
-        current, size = [], 0
+        current: list[int] = []
+        size = 0
         for i in indices:
             nbytes = tensors[i].numel() * tensors[i].element_size()
             if current and size + nbytes > bytes_per_pack:
@@ -104,19 +117,19 @@ def _packs(tensors, bytes_per_pack):
     return packs
 
 
-def _fingerprint(layout):
+def _fingerprint(layout: Layout) -> int:
     """A 63-bit number equal on every replica whose `layout` (a picklable description of
     the values about to travel) is equal; Python's own hash differs between processes."""
     digest = hashlib.blake2b(repr(layout).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 
-def _describe_leaf(leaf):
+def _describe_leaf(leaf: tuple[tuple[Any, ...], str]) -> str:
     shape, dtype = leaf
     return f"{dtype} {list(shape)}"
 
 
-def describe_layout_difference(what, layouts, note=""):
+def describe_layout_difference(what: str, layouts: Sequence[Layout], note: str = "") -> str:
     """The error message for replicas whose `layouts` (``layouts[r]``: replica r's list of
     (shape, dtype) per tensor) differ: the first differing tensor, its shape and dtype on
     replica 0 and on the first replica that differs, and every replica that differs;
@@ -145,7 +158,7 @@ def describe_layout_difference(what, layouts, note=""):
             f"{others}). {fix}")
 
 
-def _roll_call(world_size):
+def _roll_call(world_size: int) -> Diagnose:
     """The default diagnosis of a failed collective: a roll call (see `roll_call`) whose
     token counts the multi-replica communicators of this process, which every replica
     creates in the same order, so no collective is needed to agree on it."""
@@ -169,7 +182,9 @@ class Communicator:
         multi-worker strategy gives one that also names their machines.
     """
 
-    def __init__(self, group, rank, world_size, device, cross_device_ops, diagnose=None):
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int,
+                 device: torch.device, cross_device_ops: CrossDeviceOps,
+                 diagnose: Diagnose | None = None) -> None:
         # Buffers handed to a backend thread stay referenced until it lets go of them (see
         # `Runtime.hold`); bound once here, not looked up per collective.
         self.hold = runtime.current().hold
@@ -182,15 +197,16 @@ class Communicator:
         self.device = device
         self.cross_device_ops = cross_device_ops
 
-    def _explained(self, what):
+    def _explained(self, what: str) -> contextlib.AbstractContextManager[None]:
         return explained_failures(what, self.rank, self.diagnose)
 
     @property
-    def backend(self):
+    def backend(self) -> str:
         """"nccl" for CUDA replicas, "gloo" otherwise (the process group's backend)."""
         return "nccl" if self.device is not None and self.device.type == "cuda" else "gloo"
 
-    def resolve_options(self, options):
+    def resolve_options(self, options: CommunicationOptions | None
+                        ) -> tuple[datetime.timedelta | None, int]:
         """(timeout as a timedelta or None, bytes per pack or 0) from a collective's
         `options` (a `ts.CommunicationOptions` or None), refusing what cannot be honoured.
 
@@ -229,7 +245,9 @@ class Communicator:
         return timeout, options.bytes_per_pack
 
     # -- all-reduce -------------------------------------------------------------------
-    def all_reduce(self, tensors, op, inplace=False, options=None, check_layout=True):
+    def all_reduce(self, tensors: Iterable[torch.Tensor], op: ReduceOp | str,
+                   inplace: bool = False, options: CommunicationOptions | None = None,
+                   check_layout: bool = True) -> list[torch.Tensor]:
         """Reduces each tensor across replicas; returns the results in the input order.
 
         With `inplace` the results are written into the given tensors (which are returned).
@@ -258,8 +276,9 @@ class Communicator:
             self.check_same_layout("reduce / all_reduce",
                                    [(tuple(t.shape), _dtype_name(t)) for t in tensors])
         scale = 1.0 / self.world_size if op is ReduceOp.MEAN else 1.0
-        results = list(tensors) if inplace else [None] * len(tensors)
-        pending = []
+        results: list[Any] = list(tensors) if inplace else [None] * len(tensors)
+        pending: list[tuple[list[int], list[torch.Tensor], list[int], torch.Tensor,
+                            Pending]] = []
         for indices in _packs(tensors, bytes_per_pack):
             members = [tensors[i] for i in indices]
             dtype = members[0].dtype
@@ -282,7 +301,7 @@ class Communicator:
         return results
 
     # -- broadcast --------------------------------------------------------------------
-    def broadcast_(self, tensors, src=0):
+    def broadcast_(self, tensors: Iterable[torch.Tensor], src: int = 0) -> list[torch.Tensor]:
         """Overwrites every tensor with replica `src`'s value, in place."""
         tensors = [t for t in tensors]
         if self.world_size == 1 or not tensors:
@@ -301,7 +320,7 @@ class Communicator:
                     _ops.unpack(flat, members, offsets)
         return tensors
 
-    def broadcast_object(self, obj, src=0):
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Returns replica `src`'s `obj` on every replica (small picklable objects)."""
         if self.world_size == 1:
             return obj
@@ -312,7 +331,7 @@ class Communicator:
                                        else None)
         return box[0]
 
-    def gather_objects(self, obj):
+    def gather_objects(self, obj: Any) -> list[Any]:
         """Every replica's `obj` (small, picklable), as a list in replica order."""
         if self.world_size == 1:
             return [obj]
@@ -321,7 +340,7 @@ class Communicator:
             dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def check_same_layout(self, what, layout, note=""):
+    def check_same_layout(self, what: str, layout: Layout, note: str = "") -> None:
         """Raises unless every replica passes an equal `layout` (a list of (shape, dtype) per
         tensor). A collective: every replica calls it at the same point.
 
@@ -340,7 +359,8 @@ class Communicator:
         raise ValueError(describe_layout_difference(what, layouts, note))
 
     # -- all-gather -------------------------------------------------------------------
-    def all_gather(self, tensors, axis, options=None):
+    def all_gather(self, tensors: Iterable[torch.Tensor], axis: int,
+                   options: CommunicationOptions | None = None) -> list[torch.Tensor]:
         """Concatenates each tensor from every replica along `axis`, in replica order.
 
         Sizes along `axis` may differ between replicas; every other dimension must agree.
@@ -371,13 +391,13 @@ class Communicator:
             "gather / all_gather",
             [(_shape_outside(t, axis), _dtype_name(t)) for t in tensors],
             note=f" (* marks axis {axis}, whose size may differ.)")
-        mine = []
+        mine: list[int] = []
         for t in moved:
             mine += [t.shape[0], math.prod(t.shape[1:])]
         sizes = self._gather_rows(torch.tensor(mine, dtype=torch.int64), 2 * len(moved))
         rows = sizes[:, 0::2]   # [replica, leaf] sizes along axis
         inner = sizes[:, 1::2]  # [replica, leaf] elements per row
-        results = [None] * len(moved)
+        results: list[Any] = [None] * len(moved)
         for dtype, indices in _by_dtype(moved).items():
             members = [moved[i] for i in indices]
             lengths = [sum(int(rows[r, i]) * int(inner[r, i]) for i in indices)
@@ -401,7 +421,8 @@ class Communicator:
                 results[i] = torch.cat(parts).movedim(0, axis).to(tensors[i].device)
         return results
 
-    def _gather_rows(self, row, width, what="all_gather"):
+    def _gather_rows(self, row: torch.Tensor, width: int, what: str = "all_gather"
+                     ) -> torch.Tensor:
         row = row.to(self.device)
         out = [torch.empty(width, dtype=row.dtype, device=self.device)
                for _ in range(self.world_size)]
@@ -410,7 +431,7 @@ class Communicator:
             dist.all_gather(out, row, group=self.group)
         return torch.stack(out).cpu()
 
-    def barrier(self):
+    def barrier(self) -> None:
         """Waits until every replica has reached this point (bounded by the timeout)."""
         if self.world_size > 1:
             with self._explained("barrier"):

@@ -9,12 +9,18 @@ Errors are those of rounding to the wire dtype: every element of the summed grad
 within about ``N * 2**-8`` (bf16) or ``N * 2**-11`` (fp16) of the largest magnitude among
 the replicas' contributions to it, relative.
 """
+from __future__ import annotations
+
+from typing import TypeVar
+
 import torch
+
+_Ops = TypeVar("_Ops")
 
 _WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def check_compression(compression):
+def check_compression(compression: str | None) -> str | None:
     """Returns `compression` ("bf16", "fp16" or None) after checking it.
 
     Raises:
@@ -25,7 +31,7 @@ def check_compression(compression):
     raise ValueError(f"compression must be None, 'bf16' or 'fp16', got {compression!r}.")
 
 
-def wire_dtype(compression, dtype):
+def wire_dtype(compression: str | None, dtype: torch.dtype) -> torch.dtype | None:
     """The dtype a bucket of `dtype` travels in under `compression`, or None when it travels
     as it is (no compression, a non-floating bucket, or one already as small as the wire)."""
     if compression is None or not dtype.is_floating_point:
@@ -36,7 +42,7 @@ def wire_dtype(compression, dtype):
     return wire
 
 
-def with_compression(cross_device_ops, compression):
+def with_compression(cross_device_ops: _Ops, compression: str | None) -> _Ops:
     """Returns `cross_device_ops` set to carry `compression` (how a strategy applies
     ``CommunicationOptions.compression`` to its cross-device ops).
 
@@ -50,5 +56,6 @@ def with_compression(cross_device_ops, compression):
     if current not in (None, compression):
         raise ValueError(f"CommunicationOptions(compression={compression!r}) disagrees with "
                          f"{cross_device_ops!r}; set compression in one place only.")
-    cross_device_ops.compression = compression
+    # Any cross-device ops object: those that do not declare `compression` gain it here.
+    setattr(cross_device_ops, "compression", compression)
     return cross_device_ops

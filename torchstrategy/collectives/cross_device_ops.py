@@ -4,17 +4,29 @@ A `CrossDeviceOps` reduces one flat, contiguous buffer in place over the process
 returns a handle whose ``wait()`` finishes the reduction. The gradient reducer and the
 fused collectives hand every buffer to the strategy's cross-device ops.
 """
+from __future__ import annotations
+
+import datetime
 import numbers
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
 from torchstrategy import context
 from torchstrategy.collectives.compression import check_compression
+from torchstrategy.communication_options import CommunicationOptions
 from torchstrategy.reduce_op import ReduceOp, as_reduce_op
 
 
-def wait_for(work, timeout=None):
+class Pending(Protocol):
+    """A collective in flight: ``wait()`` returns once it has finished (torch's ``Work``,
+    or one of the handles below)."""
+
+    def wait(self, timeout: datetime.timedelta = ...) -> bool: ...
+
+
+def wait_for(work: Pending, timeout: datetime.timedelta | None = None) -> bool:
     """``work.wait()``, bounded by `timeout` (a timedelta) when one is given; otherwise by
     the process group's own timeout."""
     return work.wait() if timeout is None else work.wait(timeout)
@@ -23,28 +35,28 @@ def wait_for(work, timeout=None):
 class _Done:
     """A finished handle (world size 1)."""
 
-    def wait(self, timeout=None):
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         return True
 
 
 class _Chain:
     """Runs dependent collectives one after another when waited on."""
 
-    def __init__(self, first, then):
+    def __init__(self, first: Pending, then: Callable[[], Pending]) -> None:
         self._first = first
         self._then = then
 
-    def wait(self, timeout=None):
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         wait_for(self._first, timeout)
         wait_for(self._then(), timeout)
         return True
 
 
 class _All:
-    def __init__(self, works):
+    def __init__(self, works: Sequence[Pending]) -> None:
         self._works = works
 
-    def wait(self, timeout=None):
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         for work in self._works:
             wait_for(work, timeout)
         return True
@@ -57,18 +69,20 @@ class CrossDeviceOps:
     before handing them to `all_reduce_async` ("bf16", "fp16" or None).
     """
 
-    compression = None
+    compression: str | None = None
 
-    def all_reduce_async(self, flat, group):
+    def all_reduce_async(self, flat: torch.Tensor, group: dist.ProcessGroup | None
+                         ) -> Pending:
+        """Starts summing `flat` over `group` in place; the handle's ``wait()`` finishes it."""
         raise NotImplementedError("abstract: subclasses implement all_reduce_async")
 
-    def all_reduce(self, flat, group):
+    def all_reduce(self, flat: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         """Sums `flat` over the group in place and returns it."""
         self.all_reduce_async(flat, group).wait()
         return flat
 
     # -- tf.distribute's CrossDeviceOps API, in a strategy's scope (cross-replica context) --
-    def _extended(self, what):
+    def _extended(self, what: str) -> Any:
         """The current strategy's `extended`, after checking that there is one (inside its
         scope) and that it reduces with this algorithm (the strategy's process groups are
         where the replicas meet)."""
@@ -90,7 +104,8 @@ class CrossDeviceOps:
                 f"with cross_device_ops={self!r}.")
         return strategy.extended
 
-    def reduce(self, reduce_op, per_replica_value, destinations, options=None):
+    def reduce(self, reduce_op: ReduceOp | str, per_replica_value: Any, destinations: Any,
+               options: CommunicationOptions | None = None) -> Any:
         """Reduces `per_replica_value` across the current strategy's replicas and places the
         result on `destinations` (a device, or a tensor / variable whose device to use;
         None: where it is). Returns a `Mirrored` (the tensor with one replica), as
@@ -105,12 +120,16 @@ class CrossDeviceOps:
         return self._batch_reduce("reduce", reduce_op, [(per_replica_value, destinations)],
                                   options)[0]
 
-    def batch_reduce(self, reduce_op, value_destination_pairs, options=None):
+    def batch_reduce(self, reduce_op: ReduceOp | str,
+                     value_destination_pairs: Iterable[tuple[Any, Any]],
+                     options: CommunicationOptions | None = None) -> list[Any]:
         """`reduce` of many ``(value, destinations)`` pairs at once (fused into one
         collective per dtype); returns the list of results."""
         return self._batch_reduce("batch_reduce", reduce_op, value_destination_pairs, options)
 
-    def _batch_reduce(self, what, reduce_op, value_destination_pairs, options):
+    def _batch_reduce(self, what: str, reduce_op: ReduceOp | str,
+                      value_destination_pairs: Iterable[tuple[Any, Any]],
+                      options: CommunicationOptions | None) -> list[Any]:
         ext = self._extended(what)
         pairs = list(value_destination_pairs)
         for index, (value, _) in enumerate(pairs):
@@ -124,13 +143,13 @@ class CrossDeviceOps:
                     "too). Pass a PerReplica, or a tensor holding this replica's value.")
         return ext.batch_reduce_to(reduce_op, pairs, options)
 
-    def broadcast(self, tensor, destinations):
+    def broadcast(self, tensor: torch.Tensor, destinations: Any) -> Any:
         """`tensor` on `destinations` on every replica, as a `Mirrored` (the tensor with one
         replica): tf.distribute's ``CrossDeviceOps.broadcast``. Where replicas are separate
         processes, replica 0's tensor is the one every replica gets."""
         return self._extended("broadcast").broadcast_to(tensor, destinations)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
 
@@ -146,13 +165,14 @@ class NcclAllReduce(CrossDeviceOps):
         ``strategy.reduce`` are never compressed.
     """
 
-    def __init__(self, num_packs=1, compression=None):
+    def __init__(self, num_packs: int = 1, compression: str | None = None) -> None:
         if isinstance(num_packs, bool) or not isinstance(num_packs, int) or num_packs < 1:
             raise ValueError(f"num_packs must be a positive int, got {num_packs!r}.")
         self.num_packs = num_packs
         self.compression = check_compression(compression)
 
-    def all_reduce_async(self, flat, group):
+    def all_reduce_async(self, flat: torch.Tensor, group: dist.ProcessGroup | None
+                         ) -> Pending:
         if dist.get_world_size(group) == 1:
             return _Done()
         if self.num_packs == 1 or flat.numel() < self.num_packs:
@@ -160,7 +180,7 @@ class NcclAllReduce(CrossDeviceOps):
         return _All([dist.all_reduce(chunk, group=group, async_op=True)
                      for chunk in torch.tensor_split(flat, self.num_packs)])
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         if self.compression is None:
             return f"NcclAllReduce(num_packs={self.num_packs})"
         return f"NcclAllReduce(num_packs={self.num_packs}, compression={self.compression!r})"
@@ -185,7 +205,9 @@ class ReductionToOneDevice(CrossDeviceOps):
       TypeError: an `accumulation_fn` that is not callable.
     """
 
-    def __init__(self, reduce_to_device=None, accumulation_fn=None, reduce_to_replica=0):
+    def __init__(self, reduce_to_device: Any = None,
+                 accumulation_fn: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
+                 reduce_to_replica: int = 0) -> None:
         if reduce_to_device is not None:
             raise ValueError(
                 f"ReductionToOneDevice(reduce_to_device={reduce_to_device!r}) is not "
@@ -202,11 +224,13 @@ class ReductionToOneDevice(CrossDeviceOps):
         self.accumulation_fn = accumulation_fn
         self.reduce_to_replica = reduce_to_replica
 
-    def all_reduce_async(self, flat, group):
+    def all_reduce_async(self, flat: torch.Tensor, group: dist.ProcessGroup | None
+                         ) -> Pending:
         if dist.get_world_size(group) == 1:
             return _Done()
         root = dist.get_global_rank(group, self.reduce_to_replica) if group is not None and \
             group != dist.group.WORLD else self.reduce_to_replica
+        first: Pending
         if self.accumulation_fn is None:
             first = dist.reduce(flat, dst=root, group=group, async_op=True)
         else:
@@ -215,7 +239,7 @@ class ReductionToOneDevice(CrossDeviceOps):
         return _Chain(first, lambda: dist.broadcast(flat, src=root, group=group,
                                                     async_op=True))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         if self.accumulation_fn is None and self.reduce_to_replica == 0:
             return "ReductionToOneDevice()"
         parts = []
@@ -230,14 +254,15 @@ class _Accumulate:
     """Gathers every replica's `flat` onto `root`, where ``accumulation_fn`` combines them
     into `flat` (when waited on)."""
 
-    def __init__(self, flat, root, group, accumulation_fn):
+    def __init__(self, flat: torch.Tensor, root: int, group: dist.ProcessGroup | None,
+                 accumulation_fn: Callable[[list[torch.Tensor]], torch.Tensor]) -> None:
         self._flat, self._root, self._fn = flat, root, accumulation_fn
         is_root = dist.get_rank() == root
         self._parts = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))] \
             if is_root else None
         self._work = dist.gather(flat, self._parts, dst=root, group=group, async_op=True)
 
-    def wait(self, timeout=None):
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         wait_for(self._work, timeout)
         if self._parts is not None:
             combined = self._fn(self._parts)
@@ -250,7 +275,7 @@ class _Accumulate:
         return True
 
 
-def as_cross_device_ops(value):
+def as_cross_device_ops(value: CrossDeviceOps | None) -> CrossDeviceOps:
     """Returns `value` checked, or the default `NcclAllReduce()` for None.
 
     Raises:

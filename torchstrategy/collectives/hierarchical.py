@@ -14,24 +14,28 @@ every replica, when the multi-worker strategy is created (`create_groups`). Unti
 whenever the layout has a single machine (or one replica per machine), the op is a plain
 all-reduce over the group it is given.
 """
+from __future__ import annotations
+
 import datetime
+from typing import Callable, Hashable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from torchstrategy import runtime
-from torchstrategy.collectives.cross_device_ops import CrossDeviceOps, _All, _Done, wait_for
+from torchstrategy.collectives.cross_device_ops import (CrossDeviceOps, Pending, _All, _Done,
+                                                        wait_for)
 
 
 class _Stages:
     """A handle that runs dependent collectives one after another when waited on: each
     stage starts only once the previous one has landed."""
 
-    def __init__(self, first, later):
+    def __init__(self, first: Pending, later: Sequence[Callable[[], Pending]]) -> None:
         self._first = first
         self._later = later
 
-    def wait(self, timeout=None):
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         wait_for(self._first, timeout)
         for stage in self._later:
             wait_for(stage(), timeout)
@@ -42,7 +46,9 @@ class _Layout:
     """This replica's view of the machine layout: its machine's group and leader, and the
     leaders' group (only on leaders)."""
 
-    def __init__(self, local_group, leader, cross_group, is_leader, num_machines):
+    def __init__(self, local_group: dist.ProcessGroup | None, leader: int | None,
+                 cross_group: dist.ProcessGroup | None, is_leader: bool,
+                 num_machines: int) -> None:
         self.local_group = local_group
         self.leader = leader
         self.cross_group = cross_group
@@ -61,18 +67,19 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
     The result equals a plain all-reduce up to floating-point summation order.
     """
 
-    def __init__(self, num_packs=1):
+    def __init__(self, num_packs: int = 1) -> None:
         if isinstance(num_packs, bool) or not isinstance(num_packs, int) or num_packs < 1:
             raise ValueError(f"num_packs must be a positive int, got {num_packs!r}.")
         self.num_packs = num_packs
-        self._layout = None
+        self._layout: _Layout | None = None
 
     @property
-    def num_machines(self):
+    def num_machines(self) -> int:
         """Machines in the layout the groups were created for (1 before `create_groups`)."""
         return 1 if self._layout is None else self._layout.num_machines
 
-    def create_groups(self, machine_of_rank, timeout_seconds=None):
+    def create_groups(self, machine_of_rank: Sequence[Hashable],
+                      timeout_seconds: float | None = None) -> None:
         """Creates the per-machine groups and the leaders' group.
 
         A collective: every replica of the default process group calls it with the same
@@ -92,17 +99,17 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
         if len(machines) == 1 or len(machines) == world_size:
             self._layout = None  # one level only: a plain all-reduce is the hierarchy
             return
-        kwargs = {}
-        if timeout_seconds is not None:
-            kwargs["timeout"] = datetime.timedelta(seconds=float(timeout_seconds))
+        timeout = (None if timeout_seconds is None
+                   else datetime.timedelta(seconds=float(timeout_seconds)))
         rank = dist.get_rank()
-        local_group = leader = None
+        local_group: dist.ProcessGroup | None = None
+        leader: int | None = None
         # Every replica creates every group, in the same order (new_group is collective).
         for m in machines:
-            group = dist.new_group(members[m], **kwargs)
+            group = dist.new_group(members[m], timeout=timeout)
             if rank in members[m]:
                 local_group, leader = group, members[m][0]
-        cross_group = dist.new_group(leaders, **kwargs)
+        cross_group = dist.new_group(leaders, timeout=timeout)
         is_leader = rank == leader
         self._layout = _Layout(local_group, leader, cross_group if is_leader else None,
                                is_leader, len(machines))
@@ -110,10 +117,11 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
         # referenced at interpreter teardown are destroyed in the wrong order.
         runtime.current().on_shutdown(f"hierarchical-groups-{id(self)}", self._forget_groups)
 
-    def _forget_groups(self):
+    def _forget_groups(self) -> None:
         self._layout = None
 
-    def all_reduce_async(self, flat, group):
+    def all_reduce_async(self, flat: torch.Tensor, group: dist.ProcessGroup | None
+                         ) -> Pending:
         if dist.get_world_size(group) == 1:
             return _Done()
         layout = self._layout
@@ -122,15 +130,15 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
                                                                    async_op=True))
         return self._packs(flat, lambda chunk: self._hierarchical(chunk, layout))
 
-    def _packs(self, flat, start):
+    def _packs(self, flat: torch.Tensor, start: Callable[[torch.Tensor], Pending]) -> Pending:
         if self.num_packs == 1 or flat.numel() < self.num_packs:
             return start(flat)
         return _All([start(chunk) for chunk in torch.tensor_split(flat, self.num_packs)])
 
     @staticmethod
-    def _hierarchical(chunk, layout):
+    def _hierarchical(chunk: torch.Tensor, layout: _Layout) -> Pending:
         first = dist.reduce(chunk, dst=layout.leader, group=layout.local_group, async_op=True)
-        later = []
+        later: list[Callable[[], Pending]] = []
         if layout.is_leader:
             later.append(lambda: dist.all_reduce(chunk, group=layout.cross_group,
                                                  async_op=True))
@@ -138,5 +146,5 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
                                             group=layout.local_group, async_op=True))
         return _Stages(first, later)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"HierarchicalCopyAllReduce(num_packs={self.num_packs})"

@@ -9,8 +9,13 @@ them. A replica whose program ended without an error has said so in the store (s
 different numbers of steps. This needs nothing while training goes well: the store is
 touched only after a failure (and once at a replica's exit).
 """
+from __future__ import annotations
+
 import itertools
 import time
+from typing import Callable
+
+import torch.distributed as dist
 
 from torchstrategy import runtime
 from torchstrategy.launch import world as world_lib
@@ -23,14 +28,16 @@ class RollCall:
     group and new for each group (a store can outlive a group: torchrun restarts reuse
     it); each call gets its own keys, numbered in the same order on every replica."""
 
-    def __init__(self, token, world_size, name_of_rank=str, wait_seconds=DEFAULT_WAIT_SECONDS):
+    def __init__(self, token: str, world_size: int, name_of_rank: Callable[[int], str] = str,
+                 wait_seconds: float = DEFAULT_WAIT_SECONDS) -> None:
         self.token = token
         self.world_size = world_size
         self.name_of_rank = name_of_rank
         self.wait_seconds = wait_seconds
         self._calls = itertools.count()
 
-    def missing_replicas(self, rank, store=None):
+    def missing_replicas(self, rank: int, store: dist.Store | None = None
+                         ) -> list[int] | None:
         """Signs this replica in and returns the ranks that did not sign in within
         `wait_seconds` (sorted; [] when everyone answered), or None when the rendezvous
         store itself cannot be reached (the process hosting it is gone). A replica that
@@ -53,7 +60,7 @@ class RollCall:
         except (RuntimeError, OSError):  # the store's host died: refused / reset / timed out
             return None
 
-    def describe_missing(self, rank):
+    def describe_missing(self, rank: int) -> str:
         """One or two sentences for an error message naming the missing replicas (see
         `missing_replicas`): those that ended their program (usually: the replicas ran
         different numbers of steps) and those that died or are stuck, e.g. "Missing:
@@ -92,6 +99,6 @@ class RollCall:
         return " ".join(sentences)
 
 
-def _finished(store, rank):
+def _finished(store: dist.Store, rank: int) -> bool:
     """Whether replica `rank` announced the end of its program in `store`."""
     return store.check([world_lib.FINISHED_KEY.format(rank)])

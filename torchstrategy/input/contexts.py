@@ -1,4 +1,6 @@
 """`InputContext`, `ValueContext` and `InputOptions`, as in tf.distribute."""
+from __future__ import annotations
+
 import dataclasses
 import enum
 
@@ -12,12 +14,13 @@ class InputContext:
     replica id.
     """
 
-    def __init__(self, num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1):
+    def __init__(self, num_input_pipelines: int = 1, input_pipeline_id: int = 0,
+                 num_replicas_in_sync: int = 1) -> None:
         self.num_input_pipelines = num_input_pipelines
         self.input_pipeline_id = input_pipeline_id
         self.num_replicas_in_sync = num_replicas_in_sync
 
-    def get_per_replica_batch_size(self, global_batch_size):
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
         """`global_batch_size` divided by the number of replicas.
 
         Raises:
@@ -28,7 +31,7 @@ class InputContext:
                              f"by the number of replicas ({self.num_replicas_in_sync}).")
         return global_batch_size // self.num_replicas_in_sync
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"InputContext(num_input_pipelines={self.num_input_pipelines}, "
                 f"input_pipeline_id={self.input_pipeline_id}, "
                 f"num_replicas_in_sync={self.num_replicas_in_sync})")
@@ -37,11 +40,12 @@ class InputContext:
 class ValueContext:
     """What ``value_fn`` receives in ``experimental_distribute_values_from_function``."""
 
-    def __init__(self, replica_id_in_sync_group=0, num_replicas_in_sync=1):
+    def __init__(self, replica_id_in_sync_group: int = 0, num_replicas_in_sync: int = 1
+                 ) -> None:
         self.replica_id_in_sync_group = replica_id_in_sync_group
         self.num_replicas_in_sync = num_replicas_in_sync
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"ValueContext(replica_id_in_sync_group={self.replica_id_in_sync_group}, "
                 f"num_replicas_in_sync={self.num_replicas_in_sync})")
 
@@ -91,7 +95,7 @@ class InputOptions:
     experimental_place_dataset_on_device: bool = False
     experimental_per_replica_buffer_size: int = 1
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("experimental_fetch_to_device", "experimental_place_dataset_on_device"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"InputOptions({name}={getattr(self, name)!r}): must be True "
@@ -117,7 +121,8 @@ class InputOptions:
                     "batches on the device (as in TensorFlow).")
 
 
-def check_input_options(options, *, from_function, per_replica_supported, where):
+def check_input_options(options: InputOptions | None, *, from_function: bool,
+                        per_replica_supported: bool, where: str) -> InputOptions:
     """`options` (None: the defaults) as an `InputOptions`, refused where `where` (a
     strategy's name) cannot honour it.
 

@@ -25,18 +25,25 @@ Iterating gives a `DistributedIterator`: ``next()`` / ``get_next()``,
 detect it) and ``element_spec``; ``dataset.reduce(initial_state, reduce_fn)`` folds every
 step.
 """
+from __future__ import annotations
+
 import collections
 import itertools
+from typing import Any, Callable, Iterable, Iterator, TypeGuard, TypeVar
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from torchstrategy import nest
-from torchstrategy.input.contexts import InputContext, check_input_options
+from torchstrategy.collectives.communicator import Communicator
+from torchstrategy.context import AnyStrategy
+from torchstrategy.input.contexts import InputContext, InputOptions, check_input_options
+
+_T = TypeVar("_T")
 
 
-def split_bounds(total, num_replicas, replica_id):
+def split_bounds(total: int, num_replicas: int, replica_id: int) -> tuple[int, int]:
     """(start, size) of replica `replica_id`'s share of `total` rows: an even split, the
     first ``total % num_replicas`` replicas taking one row more."""
     base, extra = divmod(total, num_replicas)
@@ -44,8 +51,8 @@ def split_bounds(total, num_replicas, replica_id):
     return start, base + (1 if replica_id < extra else 0)
 
 
-def _slice_batch(batch, num_replicas, replica_id):
-    def take(leaf):
+def _slice_batch(batch: Any, num_replicas: int, replica_id: int) -> Any:
+    def take(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             start, size = split_bounds(leaf.shape[0], num_replicas, replica_id)
             return leaf[start:start + size]
@@ -53,13 +60,13 @@ def _slice_batch(batch, num_replicas, replica_id):
     return nest.map_structure(take, batch)
 
 
-def _empty_like_batch(batch):
+def _empty_like_batch(batch: Any) -> Any:
     return nest.map_structure(
         lambda leaf: leaf[:0] if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else leaf,
         batch)
 
 
-class _ShardedBatchSampler(Sampler):
+class _ShardedBatchSampler(Sampler[list[int]]):
     """Yields, for each global batch of the loader's own `batch_sampler`, only this
     replica's indices.
 
@@ -69,21 +76,22 @@ class _ShardedBatchSampler(Sampler):
     recorded in `empty`, for the dataset to cut to zero rows.
     """
 
-    def __init__(self, batch_sampler, num_replicas, replica_id):
+    def __init__(self, batch_sampler: Iterable[list[int]], num_replicas: int,
+                 replica_id: int) -> None:
         self._inner = batch_sampler
         self._num_replicas = num_replicas
         self._replica_id = replica_id
         self._start_step = 0
-        self._batches = None
-        self.empty = collections.deque()
+        self._batches: list[list[int]] | None = None
+        self.empty: collections.deque[bool] = collections.deque()
 
-    def begin_epoch(self, start_step):
+    def begin_epoch(self, start_step: int) -> None:
         """The next iteration draws a new epoch and skips its first `start_step` global
         batches."""
         self._start_step = start_step
         self._batches = None
 
-    def global_batches(self):
+    def global_batches(self) -> list[list[int]]:
         """This epoch's global batches, drawn from the loader's batch sampler all at once,
         the first time they are asked for (so that every random number the epoch's order
         takes is drawn when the iterator is set up)."""
@@ -91,7 +99,7 @@ class _ShardedBatchSampler(Sampler):
             self._batches = [list(indices) for indices in self._inner]
         return self._batches
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[list[int]]:
         self.empty.clear()
         # Resuming mid-epoch: the batches already trained on are skipped as indices, never
         # loaded.
@@ -104,19 +112,19 @@ class _ShardedBatchSampler(Sampler):
                 self.empty.append(False)
                 yield indices[start:start + size]
 
-    def __len__(self):
-        return len(self._inner)
+    def __len__(self) -> int:
+        return len(self._inner)  # type: ignore[arg-type]  # a DataLoader's batch sampler has one
 
 
-def _is_shardable_loader(dataset):
+def _is_shardable_loader(dataset: Any) -> TypeGuard[DataLoader]:
     return (isinstance(dataset, DataLoader) and not isinstance(dataset.dataset, IterableDataset)
             and dataset.batch_sampler is not None)
 
 
-def _sharded_loader(loader, batch_sampler):
+def _sharded_loader(loader: DataLoader, batch_sampler: _ShardedBatchSampler) -> DataLoader:
     # The loader's own generator: creating an iterator draws the workers' base seed from it
     # before the sampler draws the order, as with the loader alone.
-    kwargs = dict(batch_sampler=batch_sampler, num_workers=loader.num_workers,
+    kwargs: dict[str, Any] = dict(batch_sampler=batch_sampler, num_workers=loader.num_workers,
                   collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
                   timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
                   multiprocessing_context=loader.multiprocessing_context,
@@ -128,7 +136,7 @@ def _sharded_loader(loader, batch_sampler):
     return DataLoader(loader.dataset, **kwargs)
 
 
-def loader_generators(loader):
+def loader_generators(loader: DataLoader) -> list[torch.Generator]:
     """The distinct torch.Generators a DataLoader draws from (its own, its sampler's)."""
     sampler = getattr(loader.batch_sampler, "sampler", loader.sampler)
     generators = [loader.generator, getattr(sampler, "generator", None)]
@@ -149,7 +157,10 @@ class ShardedLoader:
     no order, and nothing is broadcast.
     """
 
-    def __init__(self, loader, num_replicas, replica_id, communicator):
+    def __init__(self, loader: DataLoader, num_replicas: int, replica_id: int,
+                 communicator: Communicator) -> None:
+        if loader.batch_sampler is None:
+            raise ValueError("A sharded DataLoader needs a batch sampler (a batch_size).")
         self._comm = communicator
         self._replica_id = replica_id
         self._sampler = _ShardedBatchSampler(loader.batch_sampler, num_replicas, replica_id)
@@ -160,10 +171,10 @@ class ShardedLoader:
         # The workers' base seed comes from torch's generator when the loader has none; a
         # sampler without a generator attribute (a custom one) may draw from it too.
         self._global = loader.generator is None or getattr(sampler, "generator", None) is None
-        self._epoch_start = None
+        self._epoch_start: list[torch.Tensor] = []
         self._in_epoch = False
 
-    def _align_random_state(self):
+    def _align_random_state(self) -> torch.Tensor | None:
         if not self._random:
             return None
         mine = {"generators": [g.get_state() for g in self._generators],
@@ -175,7 +186,7 @@ class ShardedLoader:
             generator.set_state(state)
         return chief["torch"]
 
-    def batches(self, start_step=0):
+    def batches(self, start_step: int = 0) -> Iterator[Any]:
         """This replica's batches of one epoch, skipping the first `start_step` global
         batches without loading them; an empty share arrives with zero rows. A collective:
         every replica starts each epoch at the same point."""
@@ -195,21 +206,22 @@ class ShardedLoader:
                 self._sampler.global_batches()
         return self._cut_empty(loaded)
 
-    def _cut_empty(self, loaded):
+    def _cut_empty(self, loaded: Iterator[Any]) -> Iterator[Any]:
         for batch in loaded:
             if self._sampler.empty.popleft():
                 batch = _empty_like_batch(batch)
             yield batch
         self._in_epoch = False
 
-    def state_dict(self):
+    def state_dict(self) -> list[torch.Tensor]:
         """The generators' states an epoch resumed now must start from: those at the start
         of the epoch in progress, or the current ones between epochs."""
         if self._in_epoch:
             return list(self._epoch_start)
         return [g.get_state() for g in self._generators]
 
-    def load_state_dict(self, states):
+    def load_state_dict(self, states: Iterable[torch.Tensor]) -> None:
+        """Sets the loader's generators to `states` (from `state_dict`)."""
         for generator, state in zip(self._generators, states):
             generator.set_state(state)
 
@@ -223,15 +235,15 @@ class OptionalValue:
     """The result of ``get_next_as_optional()`` (TensorFlow's ``tf.experimental.Optional``):
     ``has_value()`` and ``get_value()``."""
 
-    def __init__(self, value=None, has_value=False):
+    def __init__(self, value: Any = None, has_value: bool = False) -> None:
         self._value = value
         self._has_value = has_value
 
-    def has_value(self):
+    def has_value(self) -> bool:
         """True when the step exists on every replica."""
         return self._has_value
 
-    def get_value(self):
+    def get_value(self) -> Any:
         """The step's distributed batch.
 
         Raises:
@@ -242,7 +254,7 @@ class OptionalValue:
                              "replica. Check has_value() first.")
         return self._value
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"OptionalValue(has_value={self._has_value})"
 
 
@@ -257,20 +269,20 @@ class DistributedIterator:
     (kept for the next call) and describes it.
     """
 
-    def __init__(self, steps, agree):
+    def __init__(self, steps: Iterator[Any], agree: Callable[[bool], bool]) -> None:
         self._steps = steps
         self._agree = agree
-        self._peeked = []
+        self._peeked: list[Any] = []
 
-    def __iter__(self):
+    def __iter__(self) -> DistributedIterator:
         return self
 
-    def __next__(self):
+    def __next__(self) -> Any:
         if self._peeked:
             return self._peeked.pop()
         return next(self._steps)
 
-    def get_next(self):
+    def get_next(self) -> Any:
         """This replica's next step.
 
         Raises:
@@ -278,7 +290,7 @@ class DistributedIterator:
         """
         return next(self)
 
-    def get_next_as_optional(self):
+    def get_next_as_optional(self) -> OptionalValue:
         """The next step as an `OptionalValue`, with a value on every replica or on none."""
         step = next(self, _END)
         if not self._agree(step is not _END):
@@ -286,7 +298,7 @@ class DistributedIterator:
         return OptionalValue(step, True)
 
     @property
-    def element_spec(self):
+    def element_spec(self) -> Any:
         """The structure of a step with each tensor a `TensorSpec` (this replica's
         component: rows None, the other dims and the dtype as received) and other leaves
         unchanged; None when the input is empty. Reads the first step ahead."""
@@ -298,7 +310,7 @@ class DistributedIterator:
         return nest.map_structure(_spec_of, self._peeked[0])
 
 
-def _spec_of(leaf):
+def _spec_of(leaf: Any) -> Any:
     components = getattr(leaf, "values", None)
     if isinstance(components, tuple) and components:
         leaf = components[0]
@@ -308,10 +320,10 @@ def _spec_of(leaf):
     return leaf
 
 
-def lookahead(items, depth):
+def lookahead(items: Iterable[_T], depth: int) -> Iterator[_T]:
     """Yields `items` in order, drawing up to `depth` items ahead of the one yielded (so
     that their copies to a device overlap the step using the current one)."""
-    buffer = collections.deque()
+    buffer: collections.deque[_T] = collections.deque()
     for item in items:
         buffer.append(item)
         if len(buffer) > depth:
@@ -323,7 +335,10 @@ def lookahead(items, depth):
 class ReducibleInput:
     """``reduce(initial_state, reduce_fn)`` over the steps of a distributed input."""
 
-    def reduce(self, initial_state, reduce_fn):
+    def __iter__(self) -> DistributedIterator:
+        raise NotImplementedError("subclasses iterate their steps")
+
+    def reduce(self, initial_state: Any, reduce_fn: Callable[[Any, Any], Any]) -> Any:
         """Folds every step into a state: ``state = reduce_fn(state, step)`` from
         `initial_state`, in cross-replica context (use ``strategy.reduce`` in `reduce_fn`
         for a value over every replica), until the input ends on some replica
@@ -338,7 +353,8 @@ class ReducibleInput:
 
 
 class _InputBase(ReducibleInput):
-    def __init__(self, strategy, options, from_function):
+    def __init__(self, strategy: AnyStrategy, options: InputOptions | None,
+                 from_function: bool) -> None:
         ext = strategy.extended
         self._ext = ext
         self._options = check_input_options(options, from_function=from_function,
@@ -349,18 +365,18 @@ class _InputBase(ReducibleInput):
         accelerator = device is not None and device.type != "cpu"
         self._depth = self._options.experimental_per_replica_buffer_size if accelerator else 0
 
-    def _deliver(self, batch):
+    def _deliver(self, batch: Any) -> Any:
         if self._device is not None and self._device.type != "cpu":
             batch = nest.map_structure(
                 lambda leaf: leaf.to(self._device, non_blocking=True)
                 if isinstance(leaf, torch.Tensor) else leaf, batch)
         return self._ext.wrap(batch)
 
-    def _iterator(self, batches):
+    def _iterator(self, batches: Iterator[Any]) -> DistributedIterator:
         delivered = (self._deliver(batch) for batch in batches)
         return DistributedIterator(lookahead(delivered, self._depth), self._all_have)
 
-    def _all_have(self, have):
+    def _all_have(self, have: bool) -> bool:
         comm = self._ext.communicator
         if comm.world_size == 1:
             return have
@@ -387,7 +403,8 @@ class DistributedDataset(_InputBase):
         ``distribute_datasets_from_function``, as in TensorFlow).
     """
 
-    def __init__(self, strategy, dataset, options=None):
+    def __init__(self, strategy: AnyStrategy, dataset: Iterable[Any],
+                 options: InputOptions | None = None) -> None:
         super().__init__(strategy, options, from_function=False)
         ext = self._ext
         self._dataset = dataset
@@ -395,10 +412,10 @@ class DistributedDataset(_InputBase):
         self._start_step = 0
         self._num_replicas = ext.num_replicas_in_sync
         self._replica_id = ext.replica_id
-        self._sharded = None
+        self._sharded: ShardedLoader | None = None
         # Without sharding, the generators of a DataLoader used as it is (for state_dict).
         self._generators = loader_generators(dataset) if isinstance(dataset, DataLoader) else []
-        self._epoch_start = []
+        self._epoch_start: list[torch.Tensor] = []
         self._in_epoch = False
         if isinstance(dataset, DataLoader) and isinstance(dataset.sampler, DistributedSampler):
             raise ValueError(
@@ -411,11 +428,11 @@ class DistributedDataset(_InputBase):
                                           ext.communicator)
 
     @property
-    def dataset(self):
+    def dataset(self) -> Iterable[Any]:
         """The iterable of global batches this distributes, as it was given."""
         return self._dataset
 
-    def set_epoch(self, epoch, start_step=0):
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
         """Sets the epoch the next iteration uses (for resuming); normally each iteration
         advances it by one. With `start_step` the next iteration starts at that step of the
         epoch: a sharded DataLoader skips the earlier batches' indices without loading them,
@@ -424,7 +441,7 @@ class DistributedDataset(_InputBase):
         self._epoch = int(epoch)
         self._start_step = int(start_step)
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """The position to resume from: the next epoch, and the states of the loader's
         generators (a DataLoader's) that the epoch in progress started from, or their
         current states between epochs."""
@@ -436,7 +453,7 @@ class DistributedDataset(_InputBase):
             generators = [g.get_state() for g in self._generators]
         return {"epoch": self._epoch, "generators": generators}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores `state_dict()`'s position (the same on every replica)."""
         self._epoch = int(state["epoch"])
         states = state.get("generators")
@@ -446,7 +463,7 @@ class DistributedDataset(_InputBase):
             for generator, saved in zip(self._generators, states):
                 generator.set_state(saved)
 
-    def __iter__(self):
+    def __iter__(self) -> DistributedIterator:
         # The loader's iterator is made (and a resumed epoch's first steps skipped) here,
         # not at the first batch, so that a caller restoring random state (BackupAndRestore)
         # can do it between the iterator's set-up and the first batch, as it happened in
@@ -464,15 +481,15 @@ class DistributedDataset(_InputBase):
                 break
         return self._iterator(self._sliced_batches(batches))
 
-    def _sliced_batches(self, batches):
+    def _sliced_batches(self, batches: Iterator[Any]) -> Iterator[Any]:
         for batch in batches:
             if self._num_replicas > 1:
                 batch = _slice_batch(batch, self._num_replicas, self._replica_id)
             yield batch
         self._in_epoch = False
 
-    def __len__(self):
-        return len(self._dataset)
+    def __len__(self) -> int:
+        return len(self._dataset)  # type: ignore[arg-type]  # TypeError if it has none
 
 
 class DistributedDatasetsFromFunction(_InputBase):
@@ -489,7 +506,9 @@ class DistributedDatasetsFromFunction(_InputBase):
     ``get_next_as_optional`` (or ``reduce``), which stops every replica at the shortest.
     """
 
-    def __init__(self, strategy, dataset_fn, options=None):
+    def __init__(self, strategy: AnyStrategy,
+                 dataset_fn: Callable[[InputContext], Iterable[Any]],
+                 options: InputOptions | None = None) -> None:
         super().__init__(strategy, options, from_function=True)
         ext = self._ext
         self._context = InputContext(num_input_pipelines=ext.num_replicas_in_sync,
@@ -501,8 +520,8 @@ class DistributedDatasetsFromFunction(_InputBase):
         else:
             self._dataset = dataset_fn(self._context)
 
-    def __iter__(self):
+    def __iter__(self) -> DistributedIterator:
         return self._iterator(iter(self._dataset))
 
-    def __len__(self):
-        return len(self._dataset)
+    def __len__(self) -> int:
+        return len(self._dataset)  # type: ignore[arg-type]  # TypeError if it has none

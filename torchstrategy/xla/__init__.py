@@ -3,14 +3,17 @@
 ``import torchstrategy`` never imports torch_xla: this package's modules import it through
 `require_torch_xla`, which names the install command when it is missing.
 """
+from __future__ import annotations
+
 import importlib
+import types
 
 import torch
 
 INSTALL_COMMAND = "pip install torch==2.9.0 torch_xla==2.9.0"
 
 
-def require_torch_xla():
+def require_torch_xla() -> types.ModuleType:
     """Imports torch_xla and returns it.
 
     Raises:

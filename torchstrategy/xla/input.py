@@ -7,16 +7,21 @@ ranks) would not be split; the prefetcher here gives each tensor the dim-0 split
 rank, through torch_xla's public ``send_cpu_data_to_device``, and leaves graph cuts to the
 strategy (``steps_per_execution``).
 """
+from __future__ import annotations
+
 import queue
 import threading
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from torchstrategy import nest
-from torchstrategy.input.contexts import InputContext, check_input_options
+from torchstrategy.context import AnyStrategy
+from torchstrategy.input.contexts import InputContext, InputOptions, check_input_options
 from torchstrategy.input.distributed_dataset import (DistributedIterator, ReducibleInput,
                                                      ShardedLoader, _is_shardable_loader,
                                                      _slice_batch)
+from torchstrategy.xla.mesh import DataMesh
 
 # Batches copied to the devices ahead of the step using them (torch_xla's loader also keeps 2).
 PREFETCH_DEPTH = 2
@@ -24,11 +29,11 @@ _END = object()
 
 
 class _Failure:
-    def __init__(self, error):
+    def __init__(self, error: BaseException) -> None:
         self.error = error
 
 
-def to_mesh(batch, mesh):
+def to_mesh(batch: Any, mesh: DataMesh) -> Any:
     """`batch` with its tensor leaves on the mesh, split along dim 0."""
     leaves, spec = nest.flatten(batch)
     where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
@@ -39,15 +44,16 @@ def to_mesh(batch, mesh):
     return nest.pack(spec, leaves)
 
 
-def prefetch_to_device(batches, mesh, depth=PREFETCH_DEPTH):
+def prefetch_to_device(batches: Iterable[Any], mesh: DataMesh, depth: int = PREFETCH_DEPTH
+                       ) -> Iterator[Any]:
     """Yields each host batch of `batches` with its tensor leaves on the mesh (split along
     dim 0), copying up to `depth` batches ahead in a background thread. An exception in the
     host pipeline is raised here, in the consumer; leaving the loop early stops the thread.
     """
-    slots = queue.Queue(maxsize=depth)
+    slots: queue.Queue[Any] = queue.Queue(maxsize=depth)
     stop = threading.Event()
 
-    def put(item):
+    def put(item: Any) -> bool:
         while not stop.is_set():
             try:
                 slots.put(item, timeout=0.1)
@@ -56,7 +62,7 @@ def prefetch_to_device(batches, mesh, depth=PREFETCH_DEPTH):
                 continue
         return False
 
-    def produce():
+    def produce() -> None:
         try:
             for batch in batches:
                 if not put(to_mesh(batch, mesh)):
@@ -81,13 +87,13 @@ def prefetch_to_device(batches, mesh, depth=PREFETCH_DEPTH):
 
 
 class _TPUInputBase(ReducibleInput):
-    def __init__(self, strategy, options):
+    def __init__(self, strategy: AnyStrategy, options: InputOptions | None) -> None:
         self._ext = strategy.extended
         # PER_REPLICA replication is refused, as TensorFlow's TPUStrategy refuses it.
         self._options = check_input_options(options, from_function=True,
                                             per_replica_supported=False, where="TPUStrategy")
 
-    def _deliver_all(self, host_batches):
+    def _deliver_all(self, host_batches: Iterable[Any]) -> Iterator[Any]:
         if not self._options.experimental_fetch_to_device:
             yield from host_batches
             return
@@ -113,11 +119,12 @@ class TPUDistributedDataset(_TPUInputBase):
     nothing padded into the math).
     """
 
-    def __init__(self, strategy, dataset, options=None):
+    def __init__(self, strategy: AnyStrategy, dataset: Iterable[Any],
+                 options: InputOptions | None = None) -> None:
         super().__init__(strategy, options)
         ext = self._ext
         self._dataset = dataset
-        self._sharded = None
+        self._sharded: ShardedLoader | None = None
         self._epoch = 0
         self._hosts = ext.mesh.process_count
         self._host = ext.mesh.process_index
@@ -125,12 +132,12 @@ class TPUDistributedDataset(_TPUInputBase):
             # The global batches are those the loader gives on host 0 used alone.
             self._sharded = ShardedLoader(dataset, self._hosts, self._host, ext.communicator)
 
-    def set_epoch(self, epoch):
+    def set_epoch(self, epoch: int) -> None:
         """Records the epoch being started (for resuming); the order of an epoch is the one
         the loader's random state gives when it starts, as with the loader alone."""
         self._epoch = int(epoch)
 
-    def _host_batches(self):
+    def _host_batches(self) -> Iterator[Any]:
         self._epoch += 1
         if self._sharded is not None:
             yield from self._sharded.batches()
@@ -140,13 +147,13 @@ class TPUDistributedDataset(_TPUInputBase):
                 batch = _slice_batch(batch, self._hosts, self._host)
             yield batch
 
-    def __iter__(self):
+    def __iter__(self) -> DistributedIterator:
         # One SPMD program over the global batch: a step exists for every replica or for
         # none, so get_next_as_optional needs no agreement.
         return DistributedIterator(self._deliver_all(self._host_batches()), lambda have: have)
 
-    def __len__(self):
-        return len(self._dataset)
+    def __len__(self) -> int:
+        return len(self._dataset)  # type: ignore[arg-type]  # TypeError if it has none
 
 
 class TPUDistributedDatasetsFromFunction(_TPUInputBase):
@@ -160,7 +167,9 @@ class TPUDistributedDatasetsFromFunction(_TPUInputBase):
     ends part-way through a group, the batches drawn so far make a short last batch.
     """
 
-    def __init__(self, strategy, dataset_fn, options=None):
+    def __init__(self, strategy: AnyStrategy,
+                 dataset_fn: Callable[[InputContext], Iterable[Any]],
+                 options: InputOptions | None = None) -> None:
         super().__init__(strategy, options)
         mesh = self._ext.mesh
         self._context = InputContext(num_input_pipelines=mesh.process_count,
@@ -169,8 +178,8 @@ class TPUDistributedDatasetsFromFunction(_TPUInputBase):
         self._per_host = mesh.num_local_devices
         self._dataset = dataset_fn(self._context)
 
-    def _host_batches(self):
-        group = []
+    def _host_batches(self) -> Iterator[Any]:
+        group: list[Any] = []
         for batch in self._dataset:
             group.append(batch)
             if len(group) == self._per_host:
@@ -179,16 +188,16 @@ class TPUDistributedDatasetsFromFunction(_TPUInputBase):
         if group:
             yield _concatenate(group)
 
-    def __iter__(self):
+    def __iter__(self) -> DistributedIterator:
         # One SPMD program over the global batch: a step exists for every replica or for
         # none, so get_next_as_optional needs no agreement.
         return DistributedIterator(self._deliver_all(self._host_batches()), lambda have: have)
 
-    def __len__(self):
-        return -(-len(self._dataset) // self._per_host)
+    def __len__(self) -> int:
+        return -(-len(self._dataset) // self._per_host)  # type: ignore[arg-type]  # as above
 
 
-def _concatenate(batches):
+def _concatenate(batches: Sequence[Any]) -> Any:
     if len(batches) == 1:
         return batches[0]
     flat = [nest.flatten(b) for b in batches]

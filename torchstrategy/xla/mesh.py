@@ -4,6 +4,10 @@ torch_xla's SPMD mode runs one program per host over all its devices: tensors ca
 sharding (how they are split over the mesh) and XLA partitions the traced step accordingly.
 Parameters are replicated (every device holds all of them); batches are split along dim 0.
 """
+from __future__ import annotations
+
+from typing import Any, Iterable
+
 import torch
 
 from torchstrategy.xla import require_torch_xla
@@ -19,7 +23,7 @@ class DataMesh:
     which must happen before any tensor is put on an XLA device.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         require_torch_xla()
         # torch_xla is an optional dependency: imported only once a TPUStrategy is made.
         import torch_xla
@@ -35,9 +39,9 @@ class DataMesh:
         self.process_index = xr.process_index()
         self.device = torch_xla.device()
         self.mesh = xs.Mesh(list(range(self.num_devices)), (self.num_devices,), (AXIS,))
-        self._specs = {}
+        self._specs: dict[int, Any] = {}
 
-    def batch_spec(self, dim):
+    def batch_spec(self, dim: int) -> Any:
         """The sharding of a `dim`-dimensional batch tensor: split along dim 0. With several
         hosts each host supplies its own rows (torch_xla's "minibatch" input)."""
         spec = self._specs.get(dim)
@@ -47,14 +51,14 @@ class DataMesh:
             self._specs[dim] = spec
         return spec
 
-    def shard_batch(self, tensor):
+    def shard_batch(self, tensor: torch.Tensor) -> torch.Tensor:
         """Annotates an XLA tensor as split along dim 0 over the mesh (in place) and returns
         it. A 0-dim tensor stays replicated."""
         if tensor.dim() > 0:
             self._xs.mark_sharding(tensor, self.mesh, (AXIS,) + (None,) * (tensor.dim() - 1))
         return tensor
 
-    def batch_to_device(self, tensors):
+    def batch_to_device(self, tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
         """Copies host (CPU) tensors to the mesh, each split along dim 0 as it is copied (no
         device ever receives rows it does not hold); 0-dim tensors are replicated."""
         import torch_xla.core.xla_model as xm  # optional dependency (see __init__)
@@ -67,10 +71,10 @@ class DataMesh:
             out.append(xm.send_cpu_data_to_device(t, self.device, spec)[0])
         return out
 
-    def replicate_to_device(self, tensor):
+    def replicate_to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """Copies a tensor to the mesh, replicated on every device."""
         return tensor.to(self.device)
 
 
-def is_xla(value):
+def is_xla(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.device.type == "xla"

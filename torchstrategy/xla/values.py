@@ -7,7 +7,12 @@ tensor is one *global* tensor whose pieces live on the devices: a batch split al
 ``values`` are the per-device pieces (what ``experimental_local_results`` returns), while
 `TPUStrategy` computes on the global tensor itself without gathering anything.
 """
+from __future__ import annotations
+
 import re
+from typing import Any
+
+import torch
 
 from torchstrategy.values import DistributedValues
 
@@ -24,40 +29,41 @@ class GlobalValue(DistributedValues):
       replica_ids: the global ordinals of those devices.
     """
 
-    def __init__(self, tensor, extended):  # noqa: D107 - no components until asked
+    def __init__(self, tensor: torch.Tensor, extended: Any) -> None:  # noqa: D107
+        # No components until asked: `extended` (TPUStrategy's) reads them from the devices.
         self._tensor = tensor
         self._extended = extended
-        self._pieces = None
+        self._pieces: list[tuple[int, torch.Tensor]] | None = None
 
     @property
-    def tensor(self):
+    def tensor(self) -> torch.Tensor:
         return self._tensor
 
-    def _read(self):
+    def _read(self) -> list[tuple[int, torch.Tensor]]:
         if self._pieces is None:
             self._pieces = self._extended.local_pieces(self._tensor)
         return self._pieces
 
     @property
-    def values(self):
+    def values(self) -> tuple[torch.Tensor, ...]:
         return tuple(data for _, data in self._read())
 
     @property
-    def replica_ids(self):
+    def replica_ids(self) -> tuple[int, ...]:
         return tuple(ordinal for ordinal, _ in self._read())
 
     @property
-    def shape(self):
+    def shape(self) -> torch.Size:
         """The global tensor's shape."""
         return self._tensor.shape
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"GlobalValue(shape={tuple(self._tensor.shape)}, dtype={self._tensor.dtype})"
 
     __str__ = __repr__
 
 
-def device_ordinal(name):
+def device_ordinal(name: str) -> int:
     """``"CPU:3"`` / ``"TPU:3"`` -> 3."""
     match = re.search(r"(\d+)$", name)
     return int(match.group(1)) if match else 0
