@@ -5,41 +5,43 @@ recorded as mirrored, through torch's global module registration hooks. Nothing 
 or replaced: the user's modules and their ``state_dict()`` keys stay exactly as they are.
 """
 import weakref
-from typing import Callable
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch.nn.modules import module as nn_module
 
 from torchstrategy import _compat, context, module_state, runtime
+from torchstrategy.collectives.communicator import Communicator
 
 
-def _capturing_strategy():
+def _capturing_strategy() -> context.AnyStrategy | None:
     strategy = context.active_non_default_strategy()
     if strategy is None or context.get_strategy() is not strategy:
         return None
     return strategy
 
 
-def _on_parameter(module, name, param):
+def _on_parameter(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None
+                  ) -> None:
     strategy = _capturing_strategy()
     if strategy is not None and param is not None:
         strategy.extended.record_parameter(module, name, param)
     return None
 
 
-def _on_buffer(module, name, buffer):
+def _on_buffer(module: torch.nn.Module, name: str, buffer: torch.Tensor | None) -> None:
     strategy = _capturing_strategy()
     if strategy is not None and buffer is not None:
         strategy.extended.record_buffer(module, name)
     return None
 
 
-def _install_hooks():
+def _install_hooks() -> None:
     nn_module.register_module_parameter_registration_hook(_on_parameter)
     nn_module.register_module_buffer_registration_hook(_on_buffer)
 
 
-def install_capture():
+def install_capture() -> None:
     """Installs torch's global registration hooks once per process (on the first
     ``scope()``, never at import); outside a scope they are cheap no-ops. Each records into
     the active strategy's ``extended.record_parameter`` / ``record_buffer``."""
@@ -136,13 +138,14 @@ class MirroredState:
         return [tensor for _, tensor in self.take_pending_labelled()]
 
 
-def layout_of(labelled):
+def layout_of(labelled: Iterable[tuple[str, torch.Tensor]]
+              ) -> list[tuple[str, tuple[int, ...], str]]:
     """What must agree between replicas about mirrored tensors: (label, shape, dtype) of
     each, in registration order."""
     return [(label, tuple(t.shape), str(t.dtype).replace("torch.", "")) for label, t in labelled]
 
 
-def check_same_layout(layouts):
+def check_same_layout(layouts: Sequence[Sequence[tuple[str, tuple[int, ...], str]]]) -> None:
     """Raises if the replicas' mirrored tensors differ (`layouts[r]` is replica r's
     `layout_of`): broadcasting replica 0's values onto different tensors would abort the
     process or, with equal element counts, silently reinterpret them.
@@ -168,7 +171,8 @@ def check_same_layout(layouts):
             "must create the same modules in the same order.")
 
 
-def check_replicas_agree(communicator, labelled):
+def check_replicas_agree(communicator: Communicator,
+                         labelled: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Compares the (label, tensor) pairs this replica recorded (`take_pending_labelled`)
     with every other process's through `communicator` (a collective: every process calls
     it at the same point), before anything is broadcast onto them.

@@ -22,10 +22,11 @@ module's ``__dict__`` naming the strategy's extended, weakly).
 import contextlib
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.nn.modules import module as nn_module
+from torch.utils.hooks import RemovableHandle
 
 from torchstrategy import context, mirroring, module_state, runtime
 
@@ -35,16 +36,16 @@ class _Ownership:
         self.last_scoped: weakref.ReferenceType[Any] | None = None   # weakref to a Strategy
 
 
-def _state():
+def _state() -> _Ownership:
     return runtime.current().state("ownership", _Ownership)
 
 
-def note_scope_entered(strategy):
+def note_scope_entered(strategy: context.AnyStrategy) -> None:
     """Called by ``Strategy.scope()``: `strategy` becomes the live strategy."""
     _state().last_scoped = weakref.ref(strategy)
 
 
-def live_strategy():
+def live_strategy() -> context.AnyStrategy | None:
     """The strategy whose ``scope()`` was entered last in this process (or that adopted a
     module last), or None when no scope was ever entered (or that strategy is gone)."""
     ref = _state().last_scoped
@@ -52,7 +53,8 @@ def live_strategy():
 
 
 # -- adoption --------------------------------------------------------------------------------
-def check_adopt_arguments(module, optimizer):
+def check_adopt_arguments(module: torch.nn.Module,
+                          optimizer: torch.optim.Optimizer | None) -> None:
     """What every strategy's ``adopt`` refuses, before anything is moved or sent.
 
     Raises:
@@ -70,7 +72,8 @@ def check_adopt_arguments(module, optimizer):
                            "program's set-up, where the model is built).")
 
 
-def adopt(strategy, module, optimizer=None):
+def adopt(strategy: context.AnyStrategy, module: torch.nn.Module,
+          optimizer: torch.optim.Optimizer | None = None) -> torch.nn.Module:
     """Brings `module` (built outside ``strategy.scope()``) and `optimizer` under
     `strategy`, with the guarantees of creating them inside the scope; returns `module`
     itself (nothing is wrapped: ``state_dict()`` keys are unchanged).
@@ -103,7 +106,7 @@ def adopt(strategy, module, optimizer=None):
     return module
 
 
-def _place(module, device):
+def _place(module: torch.nn.Module, device: torch.device | None) -> bool:
     """Moves `module` to `device` (None: leaves it); True when something moved. ``.to``
     keeps the Parameter objects, so an optimizer made before still holds them."""
     if device is None:
@@ -115,7 +118,7 @@ def _place(module, device):
     return True
 
 
-def _move_optimizer_state(optimizer):
+def _move_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """State tensors follow their parameter's device, as ``load_state_dict`` places them;
     a scalar ``step`` stays where the optimizer keeps it."""
     for group in optimizer.param_groups:
@@ -126,7 +129,8 @@ def _move_optimizer_state(optimizer):
                     state[key] = value.to(param.device)
 
 
-def _optimizer_state_tensors(optimizer):
+def _optimizer_state_tensors(optimizer: torch.optim.Optimizer
+                             ) -> list[tuple[str, torch.Tensor]]:
     """(label, tensor) of the optimizer's state, in parameter order, keys sorted."""
     out = []
     for g, group in enumerate(optimizer.param_groups):
@@ -138,7 +142,7 @@ def _optimizer_state_tensors(optimizer):
     return out
 
 
-def _record_tree(ext, module):
+def _record_tree(ext: Any, module: torch.nn.Module) -> None:
     """Records every parameter and buffer of `module` and its submodules with the strategy
     whose extended is `ext` (the calls the scope's registration hooks make), and marks the
     modules as adopted by it (their `module_state`)."""
@@ -150,7 +154,7 @@ def _record_tree(ext, module):
             ext.record_buffer(sub, name)
 
 
-def _adopter(module):
+def _adopter(module: torch.nn.Module) -> Any:
     """The extended of the strategy that adopted `module` (alive), or None. One dict lookup
     for a module that was never adopted: these hooks see every registration in the
     process."""
@@ -158,14 +162,14 @@ def _adopter(module):
     return state.owner if state is not None and state.adopted else None
 
 
-def _capturing(ext):
+def _capturing(ext: Any) -> bool:
     """True where the scope's own hooks already record for the strategy of `ext`."""
     strategy = context.active_non_default_strategy()
     return strategy is not None and strategy.extended is ext and \
         context.get_strategy() is strategy
 
 
-def _after_registration(ext):
+def _after_registration(ext: Any) -> None:
     # Outside the scope and outside run, nothing else would synchronise what was just
     # recorded before the next backward of a DDP-style loop: do it now (every replica
     # registers the same tensors at the same point). Inside the scope, its exit does it;
@@ -174,7 +178,8 @@ def _after_registration(ext):
         ext.synchronize_mirrored_state()
 
 
-def _on_parameter(module, name, param):
+def _on_parameter(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None
+                  ) -> None:
     ext = _adopter(module)
     if ext is not None and param is not None and not _capturing(ext):
         ext.record_parameter(module, name, param)
@@ -182,7 +187,7 @@ def _on_parameter(module, name, param):
     return None
 
 
-def _on_buffer(module, name, buffer):
+def _on_buffer(module: torch.nn.Module, name: str, buffer: torch.Tensor | None) -> None:
     ext = _adopter(module)
     if ext is not None and buffer is not None and not _capturing(ext):
         ext.record_buffer(module, name)
@@ -190,7 +195,8 @@ def _on_buffer(module, name, buffer):
     return None
 
 
-def _on_submodule(module, name, submodule):
+def _on_submodule(module: torch.nn.Module, name: str, submodule: torch.nn.Module | None
+                  ) -> None:
     ext = _adopter(module)
     if ext is not None and submodule is not None:
         _record_tree(ext, submodule)
@@ -199,7 +205,7 @@ def _on_submodule(module, name, submodule):
     return None
 
 
-def _install_hooks():
+def _install_hooks() -> None:
     nn_module.register_module_parameter_registration_hook(_on_parameter)
     nn_module.register_module_buffer_registration_hook(_on_buffer)
     nn_module.register_module_module_registration_hook(_on_submodule)
@@ -207,7 +213,8 @@ def _install_hooks():
 
 # -- the first run's check -------------------------------------------------------------------
 @contextlib.contextmanager
-def warn_if_unmirrored(strategy, is_mirrored):
+def warn_if_unmirrored(strategy: context.AnyStrategy,
+                       is_mirrored: Callable[[torch.Tensor], bool]) -> Iterator[None]:
     """Active around a strategy's first multi-replica ``run``: the first module called
     there that has trainable parameters is checked, with its submodules, and a
     RuntimeWarning names the parameters `is_mirrored` rejects. The global forward hook is
@@ -215,15 +222,17 @@ def warn_if_unmirrored(strategy, is_mirrored):
     module's code, so that code carries no trace of it) or when the run ends. A step
     function compiled as a whole traces the hook in this run and is compiled again in the
     next (once)."""
-    handle = None
+    handle: RemovableHandle | None = None
 
-    def check(module, args):
+
+    def check(module: torch.nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():
             return None
         params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not params:
             return None
-        handle.remove()
+        if handle is not None:  # set before the hook can run
+            handle.remove()
         foreign = [n for n, p in params if not is_mirrored(p)]
         if foreign:
             shown = ", ".join(repr(n) for n in foreign[:3]) + \

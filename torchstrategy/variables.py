@@ -11,7 +11,10 @@ A variable wraps a torch tensor (`tensor`; an ``nn.Parameter`` when trainable, s
 handed to an optimizer and gets its gradient summed like any mirrored parameter). Torch
 functions and Python operators accept a variable wherever they accept a tensor.
 """
+from __future__ import annotations
+
 import weakref
+from typing import Any, Callable
 
 import torch
 
@@ -21,7 +24,7 @@ from torchstrategy.aggregation import (VariableAggregation, VariableSynchronizat
 from torchstrategy.reduce_op import ReduceOp
 
 
-def _in_replica_context_of(strategy):
+def _in_replica_context_of(strategy: context.AnyStrategy) -> bool:
     replica = context.get_replica_context()
     return replica is not None and context.in_run() and replica.strategy is strategy
 
@@ -41,7 +44,7 @@ class Variable:
       ValueError: unknown enum values, or ON_READ with aggregation NONE or trainable=True.
     """
 
-    def __new__(cls, *args, **kwargs):
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         if cls is Variable:
             # A strategy that keeps variables elsewhere (ParameterServerStrategy) makes them.
             made = context.get_strategy().extended.create_variable(*args, **kwargs)
@@ -55,9 +58,11 @@ class Variable:
                 else MirroredVariable
         return object.__new__(cls)
 
-    def __init__(self, initial_value, trainable=None, name=None, dtype=None,
-                 aggregation=VariableAggregation.NONE,
-                 synchronization=VariableSynchronization.AUTO):
+    def __init__(self, initial_value: Any, trainable: bool | None = None,
+                 name: str | None = None, dtype: torch.dtype | None = None,
+                 aggregation: VariableAggregation | str = VariableAggregation.NONE,
+                 synchronization: VariableSynchronization | str =
+                 VariableSynchronization.AUTO) -> None:
         self._aggregation = _as_enum(VariableAggregation, aggregation, "aggregation")
         self._synchronization = _as_enum(VariableSynchronization, synchronization,
                                          "synchronization")
@@ -78,7 +83,7 @@ class Variable:
             self._strategy.extended.record_variable(self)
         self._strategy.extended.created_variable(self)
 
-    def _check(self, trainable):
+    def _check(self, trainable: bool) -> None:
         """Refuses what TensorFlow refuses for an ON_READ variable (any variable class)."""
         if self._synchronization is not VariableSynchronization.ON_READ and \
                 not isinstance(self, SyncOnReadVariable):
@@ -92,94 +97,95 @@ class Variable:
 
     # -- reading -------------------------------------------------------------------------
     @property
-    def tensor(self):
+    def tensor(self) -> torch.Tensor:
         """The underlying tensor (an ``nn.Parameter`` when trainable)."""
         return self._tensor
 
-    def read_value(self):
+    def read_value(self) -> torch.Tensor:
         """The variable's value as a tensor (see the subclasses for cross-replica reads)."""
         return self._tensor
 
-    def value(self):
+    def value(self) -> torch.Tensor:
         return self.read_value()
 
-    def numpy(self):
+    def numpy(self) -> Any:
         return self.read_value().detach().cpu().numpy()
 
     @property
-    def name(self):
+    def name(self) -> str:
         return self._name
 
     @property
-    def trainable(self):
+    def trainable(self) -> bool:
         return self._trainable
 
     @property
-    def aggregation(self):
+    def aggregation(self) -> VariableAggregation:
         return self._aggregation
 
     @property
-    def synchronization(self):
+    def synchronization(self) -> VariableSynchronization:
         return self._synchronization
 
     @property
-    def dtype(self):
+    def dtype(self) -> torch.dtype:
         return self._tensor.dtype
 
     @property
-    def shape(self):
+    def shape(self) -> torch.Size:
         return self._tensor.shape
 
     @property
-    def device(self):
+    def device(self) -> torch.device:
         return self._tensor.device
 
     # -- writing -------------------------------------------------------------------------
-    def _write(self, new_value):
+    def _write(self, new_value: torch.Tensor) -> Variable:
         self._strategy.extended.write_variable(self, new_value)
         return self
 
-    def assign(self, value):
+    def assign(self, value: Any) -> Variable:
         """Sets the value as given (a plain variable, made outside every scope); returns
         self. `MirroredVariable` and `SyncOnReadVariable` aggregate first."""
         return self._write(value)
 
-    def assign_add(self, delta):
+    def assign_add(self, delta: Any) -> Variable:
         """Adds `delta` as given; returns self."""
         return self._write(self._tensor.detach() + torch.as_tensor(delta))
 
-    def assign_sub(self, delta):
+    def assign_sub(self, delta: Any) -> Variable:
         return self.assign_add(-torch.as_tensor(delta))
 
     # -- behaving like a tensor ------------------------------------------------------------
     @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        def unwrap(x):
+    def __torch_function__(cls, func: Callable[..., Any], types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        def unwrap(x: Any) -> Any:
             return x.read_value() if isinstance(x, Variable) else x
         args = _compat.tree_map(unwrap, args)
         kwargs = _compat.tree_map(unwrap, kwargs or {})
         return func(*args, **kwargs)
 
-    def __array__(self, dtype=None):
+    def __array__(self, dtype: Any = None) -> Any:
         array = self.numpy()
         return array if dtype is None else array.astype(dtype)
 
-    def __float__(self):
+    def __float__(self) -> float:
         return float(self.read_value().detach())
 
-    def __int__(self):
+    def __int__(self) -> int:
         return int(self.read_value().detach())
 
-    def __bool__(self):
+    def __bool__(self) -> bool:
         return bool(self.read_value().detach())
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"{type(self).__name__}(name={self._name!r}, "
                 f"aggregation={self._aggregation.name}, value={self.read_value()!r})")
 
 
-def _binary(name):
-    def method(self, other):
+def _binary(name: str) -> Callable[[Variable, Any], Any]:
+    def method(self: Variable, other: Any) -> Any:
         return getattr(self.read_value(), name)(
             other.read_value() if isinstance(other, Variable) else other)
     method.__name__ = name
@@ -191,8 +197,8 @@ for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__
               "__rmatmul__", "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__",
               "__getitem__"):
     setattr(Variable, _name, _binary(_name))
-Variable.__neg__ = lambda self: -self.read_value()
-Variable.__hash__ = object.__hash__
+setattr(Variable, "__neg__", lambda self: -self.read_value())
+setattr(Variable, "__hash__", object.__hash__)  # by identity, though __eq__ compares values
 
 
 class MirroredVariable(Variable):
@@ -205,7 +211,7 @@ class MirroredVariable(Variable):
     (every replica runs the same code with the same value).
     """
 
-    def _aggregated(self, value):
+    def _aggregated(self, value: Any) -> torch.Tensor:
         value = torch.as_tensor(value, dtype=self._tensor.dtype, device=self._tensor.device)
         if not _in_replica_context_of(self._strategy) or \
                 self._strategy.num_replicas_in_sync == 1:
@@ -220,11 +226,11 @@ class MirroredVariable(Variable):
             comm.broadcast_([value], src=0)
         return value
 
-    def assign(self, value):
+    def assign(self, value: Any) -> Variable:
         """Sets the value (aggregated across replicas in replica context); returns self."""
         return self._write(self._aggregated(value))
 
-    def assign_add(self, delta):
+    def assign_add(self, delta: Any) -> Variable:
         """Adds `delta` (aggregated across replicas in replica context); returns self."""
         return self._write(self._tensor.detach() + self._aggregated(delta))
 
@@ -238,11 +244,11 @@ class SyncOnReadVariable(Variable):
     that they aggregate to `v` (each gets v / N for SUM).
     """
 
-    def _cross_replica(self):
+    def _cross_replica(self) -> bool:
         return not _in_replica_context_of(self._strategy) and \
             self._strategy.num_replicas_in_sync > 1
 
-    def read_value(self):
+    def read_value(self) -> torch.Tensor:
         if not self._cross_replica():
             return self._tensor
         comm = self._strategy.extended.communicator
@@ -253,19 +259,19 @@ class SyncOnReadVariable(Variable):
         op = ReduceOp.SUM if self._aggregation is VariableAggregation.SUM else ReduceOp.MEAN
         return comm.all_reduce([self._tensor], op)[0]
 
-    def _local_share(self, value):
+    def _local_share(self, value: Any) -> torch.Tensor:
         value = torch.as_tensor(value, dtype=self._tensor.dtype, device=self._tensor.device)
         if self._cross_replica() and self._aggregation is VariableAggregation.SUM:
             value = value / self._strategy.num_replicas_in_sync
         return value
 
-    def assign(self, value):
+    def assign(self, value: Any) -> Variable:
         return self._write(self._local_share(value))
 
-    def assign_add(self, delta):
+    def assign_add(self, delta: Any) -> Variable:
         return self._write(self._tensor + self._local_share(delta))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"SyncOnReadVariable(name={self._name!r}, "
                 f"aggregation={self._aggregation.name}, local={self._tensor!r})")
 

@@ -46,14 +46,17 @@ explain collective failures.
 Because gradients are views, a ``.grad`` tensor kept from one step is overwritten by the
 next step's gradients (as with DDP's ``gradient_as_bucket_view``): clone it to keep it.
 """
+from __future__ import annotations
+
 import contextlib
 import weakref
+from typing import Any, Iterable, Iterator
 
 import torch
 
 from torchstrategy import _compat, _ops, module_state, runtime
-from torchstrategy.collectives.communicator import explained_failures
-from torchstrategy.collectives.cross_device_ops import NcclAllReduce
+from torchstrategy.collectives.communicator import Communicator, explained_failures
+from torchstrategy.collectives.cross_device_ops import CrossDeviceOps, NcclAllReduce
 from torchstrategy.collectives.stats import ReductionStats
 
 DEFAULT_BUCKET_CAP_BYTES = 25 * 1024 * 1024
@@ -61,7 +64,9 @@ DEFAULT_BUCKET_CAP_BYTES = 25 * 1024 * 1024
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
 
 
-def _process_group_for_cpp(cross_device_ops, group):
+def _process_group_for_cpp(cross_device_ops: CrossDeviceOps,
+                           group: torch.distributed.ProcessGroup | None
+                           ) -> torch.distributed.ProcessGroup | None:
     """The c10d process group the C++ reducer launches on directly, or None when buckets
     must go through the cross-device ops' Python ``all_reduce_async``."""
     if type(cross_device_ops) is not NcclAllReduce or cross_device_ops.num_packs != 1:
@@ -80,14 +85,15 @@ class GradientReducer:
         starts as soon as the last layers' gradients exist.
     """
 
-    def __init__(self, communicator, bucket_cap_bytes=DEFAULT_BUCKET_CAP_BYTES,
-                 first_bucket_bytes=DEFAULT_FIRST_BUCKET_BYTES):
+    def __init__(self, communicator: Communicator,
+                 bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
+                 first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES) -> None:
         if bucket_cap_bytes <= 0:
             raise ValueError(f"bucket_cap_bytes must be positive, got {bucket_cap_bytes}.")
         self._comm = communicator
         runtime.current().track_reducer(self)
         self._cap = int(bucket_cap_bytes)
-        self._params = []          # registration order
+        self._params: list[torch.Tensor] = []          # registration order
         # param -> its registration index, by identity (the parameters are kept alive, so
         # none can be mistaken for another).
         self._index: module_state.IdentityMap[torch.Tensor, int] = module_state.IdentityMap()
@@ -95,7 +101,7 @@ class GradientReducer:
         self._compression = getattr(cross_device_ops, "compression", None)
         this = weakref.ref(self)   # the C++ reducer must not keep this object alive
 
-        def finalize():
+        def finalize() -> None:
             reducer = this()
             if reducer is not None:
                 reducer._finalize()
@@ -106,11 +112,11 @@ class GradientReducer:
             communicator.hold, finalize)
         process_group = _process_group_for_cpp(cross_device_ops, communicator.group)
         try:
-            self._core = make(process_group)
+            self._core: Any = make(process_group)  # torchstrategy._C.Reducer; None once closed
         except (RuntimeError, TypeError):  # a process group C++ cannot take: via Python
             self._core = make(None)
 
-    def close(self):
+    def close(self) -> None:
         """Drops the C++ core (and with it its reference to the process group); called by
         the runtime before the process group is destroyed at exit.
 
@@ -123,7 +129,7 @@ class GradientReducer:
         self._core = None
 
     # -- set-up -------------------------------------------------------------------------
-    def add_parameters(self, params):
+    def add_parameters(self, params: Iterable[torch.Tensor]) -> None:
         """Registers parameters (those requiring grad; duplicates ignored) and re-buckets in
         reverse registration order. The next synchronised backward records the order
         gradients arrive in, and the buckets are rebuilt once in that order after it."""
@@ -139,36 +145,37 @@ class GradientReducer:
             self._core.build(list(reversed(range(len(self._params)))))
             self._core.start_recording()
 
-    def _rebuild_from_arrival(self, arrival):
+    def _rebuild_from_arrival(self, arrival: Iterable[int]) -> None:
         """Rebuilds the buckets in the order gradients arrived in the first synchronised
         backward on replica 0 (broadcast: every replica must have the same buckets);
         parameters that got no gradient follow in reverse registration order."""
-        order, seen = [], set()
+        order: list[int] = []
+        seen: set[int] = set()
         for i in arrival:
             if i not in seen:
                 seen.add(i)
                 order.append(i)
         order += [i for i in reversed(range(len(self._params))) if i not in seen]
-        (order,) = self._comm.broadcast_([torch.tensor(order, dtype=torch.int64)], src=0)
-        self._core.build(order.tolist())
+        (agreed,) = self._comm.broadcast_([torch.tensor(order, dtype=torch.int64)], src=0)
+        self._core.build(agreed.tolist())
 
     # -- inspection ---------------------------------------------------------------------
     @property
-    def bucket_cap_bytes(self):
+    def bucket_cap_bytes(self) -> int:
         """The largest bucket, in bytes."""
         return self._cap
 
     @property
-    def parameters(self):
+    def parameters(self) -> list[torch.Tensor]:
         """The registered parameters, in registration order."""
         return list(self._params)
 
-    def launches_on_process_group(self):
+    def launches_on_process_group(self) -> bool:
         """True when buckets go straight to the c10d process group from C++; False when
         they go through the cross-device ops' Python ``all_reduce_async``."""
         return self._core.launches_on_process_group()
 
-    def reduce_all_now(self):
+    def reduce_all_now(self) -> None:
         """Sums every registered parameter's current ``.grad`` across replicas, exactly as
         the end of a synchronised backward does, without running autograd: every parameter
         is marked ready in bucket order, then the buckets are finalised. Every replica must
@@ -178,25 +185,25 @@ class GradientReducer:
         self._finalize()
 
     @property
-    def bucket_sizes(self):
+    def bucket_sizes(self) -> list[int]:
         """Number of parameters in each bucket, in launch order."""
         return self._core.bucket_sizes()
 
     @property
-    def bucket_order(self):
+    def bucket_order(self) -> list[torch.Tensor]:
         """The registered parameters in bucket (launch) order."""
         return [self._params[i] for i in self._core.bucket_order()]
 
-    def bucket_layout(self):
+    def bucket_layout(self) -> list[tuple[str, list[int], int, str]]:
         """Per bucket: (dtype name, slot sizes, elements of its buffer, wire dtype or "")."""
         return self._core.bucket_layout()
 
-    def is_bucket_view(self, param):
+    def is_bucket_view(self, param: torch.Tensor) -> bool:
         """True when ``param.grad`` lives in its bucket (no copy at the next all-reduce)."""
         index = self._index.get(param)
         return index is not None and self._core.is_bucket_view(index)
 
-    def stats(self):
+    def stats(self) -> ReductionStats:
         """The `ReductionStats` of the last synchronised backward."""
         bytes_reduced, buckets, waited, steps = self._core.stats()
         return ReductionStats(bytes_reduced=bytes_reduced, num_buckets=buckets,
@@ -206,7 +213,7 @@ class GradientReducer:
 
     # -- no_sync ------------------------------------------------------------------------
     @contextlib.contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally, without communication."""
         previous = self._core.sync()
         self._core.set_sync(False)
@@ -216,7 +223,7 @@ class GradientReducer:
             self._core.set_sync(previous)
 
     # -- once per backward --------------------------------------------------------------
-    def _finalize(self):
+    def _finalize(self) -> None:
         try:
             with explained_failures("the gradient all-reduce", self._comm.rank,
                                     self._comm.diagnose):
