@@ -16,8 +16,11 @@ into any number of shards or into a model and optimizer without a strategy.
 Training runs on workers through a `ClusterCoordinator`: see `coordinator` and
 docs/parameter_server.md.
 """
+from __future__ import annotations
+
 import itertools
 import threading
+from typing import Any, Callable
 
 import torch
 
@@ -31,7 +34,7 @@ from torchstrategy.parameter_server import (optimizers, partitioners, ps_store, 
 from torchstrategy.parameter_server.variables import PSVariable, ShardedVariable
 from torchstrategy.reduce_op import ReduceOp, as_reduce_op
 from torchstrategy.strategies.base import Strategy
-from torchstrategy.strategies.spmd import SPMDExtended
+from torchstrategy.strategies.spmd import CommunicatorReplicaExtended
 
 
 def _next_strategy_id():
@@ -39,14 +42,16 @@ def _next_strategy_id():
     return next(runtime.current().state("parameter_server.strategy_ids", itertools.count))
 
 
-class ParameterServerStrategyExtended(SPMDExtended):
+class ParameterServerStrategyExtended(CommunicatorReplicaExtended):
     """The parts of `ParameterServerStrategy` most programs do not need.
 
     The user's program runs on the chief, a world of one replica (inside a scheduled
-    function: the worker's one replica), so running, collectives (``reduce``, ``gather``,
+    function: the worker's one replica), so running, collectives (``gather``,
     ``ReplicaContext.all_reduce`` through a `Communicator` of one process) and input are
-    `SPMDExtended`'s, as for the default strategy; to feed the workers use
-    `ClusterCoordinator.create_per_worker_dataset`. What differs is where parameters live:
+    `CommunicatorReplicaExtended`'s; to feed the workers use
+    `ClusterCoordinator.create_per_worker_dataset`. Nothing is mirrored: there is no
+    gradient reducer, buffers are not synchronised (StrategyExtended's defaults), and
+    ``adopt`` is refused. What differs is where parameters live:
     parameters registered on modules inside the scope (`record_parameter`) are placed on
     the parameter servers when the scope exits and before each ``run``
     (`synchronize_mirrored_state`); ``ts.Variable`` made in the scope is placed at once
@@ -58,7 +63,8 @@ class ParameterServerStrategyExtended(SPMDExtended):
       variable_partitioner: None or a partitioner (see `partitioners`).
     """
 
-    def __init__(self, container, membership, variable_partitioner):
+    def __init__(self, container: Strategy, membership: rpc_world.Membership,
+                 variable_partitioner: Callable[..., Any] | None) -> None:
         super().__init__(container,
                          Communicator(None, 0, 1, torch.device("cpu"), NcclAllReduce()), None)
         self._membership = membership
@@ -109,6 +115,19 @@ class ParameterServerStrategyExtended(SPMDExtended):
         """The strategy's `ClusterCoordinator`, or None before one was made."""
         return self._coordinator
 
+    @property
+    def one_replica_per_process(self):
+        """False: the workers run closures the chief schedules, not the program."""
+        return False
+
+    def metric_sync(self):
+        """Refused: a metric cannot follow the replicas of a parameter-server cluster."""
+        raise NotImplementedError(
+            "ts.metrics.sync does not support ParameterServerStrategy: a scheduled function "
+            "runs on a worker with its own copy of the metric. Return the values the metric "
+            "needs from the scheduled function and update the metric on the coordinator "
+            "with the fetched results.")
+
     def attach_coordinator(self, coordinator):
         """Records the strategy's one `ClusterCoordinator`; returns the one recorded first."""
         with self._lock:
@@ -120,8 +139,8 @@ class ParameterServerStrategyExtended(SPMDExtended):
     def reduce_across_replicas(self, reduce_op, value, axis):
         """With one replica per step, reducing across replicas returns `value` itself (any
         structure, tensors or not: results of scheduled functions need not be tensors, so
-        unlike `SPMDExtended` nothing is converted, copied or refused); with `axis`, each
-        tensor is reduced along it."""
+        unlike `CommunicatorReplicaExtended` nothing is converted, copied or refused); with
+        `axis`, each tensor is reduced along it."""
         op = as_reduce_op(reduce_op)
         if axis is None:
             return value

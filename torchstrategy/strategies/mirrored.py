@@ -1,60 +1,15 @@
 """`MirroredStrategy`: synchronous data parallelism, one process per local device."""
+from __future__ import annotations
+
+from typing import Sequence
+
 import torch
 
-from torchstrategy import runtime
-from torchstrategy.collectives.communicator import Communicator
-from torchstrategy.collectives.cross_device_ops import as_cross_device_ops
-from torchstrategy.devices import ReplicaDevice, default_local_devices, parse_devices
+from torchstrategy.collectives.cross_device_ops import CrossDeviceOps, as_cross_device_ops
 from torchstrategy.launch import world as world_lib
-from torchstrategy.strategies.base import Strategy, logger
+from torchstrategy.strategies.base import Strategy, logger, trainer_device_names
 from torchstrategy.strategies.spmd import SPMDExtended
-
-
-def _launched_devices(world):
-    """One device per local process when a launcher (torchrun, ts.launch) started us."""
-    if torch.cuda.is_available():
-        if torch.cuda.device_count() < world.local_world_size:
-            raise RuntimeError(
-                f"{world.local_world_size} processes on this machine but only "
-                f"{torch.cuda.device_count()} GPU(s): start one process per GPU.")
-        return [ReplicaDevice("cuda", i) for i in range(world.local_world_size)]
-    return [ReplicaDevice("cpu", i) for i in range(world.local_world_size)]
-
-
-def establish_world(devices, timeout_seconds):
-    """Returns (world, local devices) for a strategy asking for `devices` (None: default).
-
-    - Under torchrun or ts.launch: the launched world; `devices`, if given, must name one
-      device per local process.
-    - In a plain process: one replica per device; with several, this process becomes
-      replica 0 and re-executes the program for the others.
-
-    Raises:
-      ValueError: `devices` disagreeing with the launched world.
-    """
-    process = runtime.current()
-    parsed = parse_devices(devices) if devices is not None else None
-    world = runtime.world_from_environment()
-    if world is None:
-        local = parsed or default_local_devices()
-        if len(local) > 1:
-            return process.start_local_replicas(len(local), timeout_seconds), local
-        world = world_lib.World()
-    else:
-        if parsed is not None and len(parsed) != world.local_world_size and \
-                world.launcher == "single":
-            raise ValueError(
-                f"devices={[d.name for d in parsed]} asks for {len(parsed)} replicas, but this "
-                "program already created a one-replica strategy. A program has one replica "
-                "layout: create the multi-replica strategy first (or only).")
-        if parsed is not None and len(parsed) != world.local_world_size:
-            raise ValueError(
-                f"devices={[d.name for d in parsed]} names {len(parsed)} device(s), but "
-                f"{world.launcher} started {world.local_world_size} process(es) on this "
-                f"machine (LOCAL_WORLD_SIZE={world.local_world_size}). Pass "
-                f"{world.local_world_size} devices, or none to take one per process.")
-        local = parsed or _launched_devices(world)
-    return process.adopt_world(world), local
+from torchstrategy.strategies.startup import start_replica_process
 
 
 class MirroredStrategy(Strategy):
@@ -81,36 +36,53 @@ class MirroredStrategy(Strategy):
       RuntimeError: CUDA devices without CUDA; re-execution where it is impossible.
     """
 
-    def __init__(self, devices=None, cross_device_ops=None, *, timeout_seconds=None,
-                 bucket_cap_mb=25):
+    def __init__(self, devices: Sequence[str | torch.device] | None = None,
+                 cross_device_ops: CrossDeviceOps | None = None, *,
+                 timeout_seconds: float | None = None, bucket_cap_mb: float = 25) -> None:
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
                 or not 0 < bucket_cap_mb < float("inf"):
             # Checked before any replica is launched, whatever their number.
             raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got "
                              f"bucket_cap_mb={bucket_cap_mb!r} (the default is 25).")
-        cross_device_ops = as_cross_device_ops(cross_device_ops)
-        timeout = world_lib.timeout_seconds(timeout_seconds)
-        world, local = establish_world(devices, timeout)
-        device = local[world.local_rank]
-        torch_device = device.torch_device
-        group = None
-        if world.world_size > 1:
-            if torch_device.type == "cuda":
-                torch.cuda.set_device(torch_device)
-            backend = "nccl" if torch_device.type == "cuda" else "gloo"
-            group = runtime.current().init_process_group(world, backend, timeout)
-        communicator = Communicator(group, world.rank, world.world_size, torch_device,
-                                    cross_device_ops)
-        super().__init__(SPMDExtended(self, communicator, torch_device,
+        process = start_replica_process(
+            devices=devices, cross_device_ops=as_cross_device_ops(cross_device_ops),
+            timeout_seconds=world_lib.timeout_seconds(timeout_seconds))
+        super().__init__(SPMDExtended(self, process.communicator, process.torch_device,
                                       bucket_cap_bytes=bucket_cap_mb * 1024 * 1024))
+        world = process.world
         self._world = world
-        self._devices = tuple(d.name for d in local)
+        self._devices = process.device_names
         if world.rank == 0:
-            backend = "nccl" if torch_device.type == "cuda" else "gloo"
-            where = f"devices {self._devices}" if world.world_size == len(local) else \
-                f"{world.world_size} replicas ({len(local)} on this machine: {self._devices})"
+            where = f"devices {self._devices}" if world.world_size == len(self._devices) else \
+                f"{world.world_size} replicas ({len(self._devices)} on this machine: " \
+                f"{self._devices})"
             logger.info(f"MirroredStrategy with {world.world_size} replica(s) on {where}"
-                        + (f", {backend}" if world.world_size > 1 else ""))
+                        + (f", {process.backend}" if world.world_size > 1 else ""))
 
-    def __repr__(self):
+    @classmethod
+    def build_for_trainer(cls, devices: Sequence[torch.device], num_nodes: int, *,
+                          name: str) -> MirroredStrategy:
+        """One replica per Trainer device on this machine (``Trainer(strategy="mirrored")``).
+
+        Raises:
+          ValueError: devices other than CPU or CUDA, or several nodes.
+          RuntimeError: re-execution where it is impossible (the message then points to
+            ``Trainer(strategy='mirrored_notebook')``).
+        """
+        names = trainer_device_names(devices, name)
+        if num_nodes != 1:
+            raise ValueError(
+                f"Trainer(strategy='mirrored') runs on one machine, but num_nodes="
+                f"{num_nodes}. Use strategy='multi_worker_mirrored' (under "
+                "torchrun) for several machines, or pass num_nodes=1.")
+        try:
+            return cls(devices=names)
+        except RuntimeError as error:
+            if "interactive" not in str(error) and "pytest" not in str(error):
+                raise
+            raise RuntimeError(
+                f"{error} With Lightning, use Trainer(strategy='mirrored_notebook') "
+                "to start the replicas at fit time instead.") from error
+
+    def __repr__(self) -> str:
         return f"MirroredStrategy(devices={list(self._devices)})"

@@ -17,28 +17,29 @@ An optimizer built in the same scope, before the scope shards the model, holds t
 unsharded parameters; it is switched to the sharded ones before its first step
 (`sharding.state.StaleParameters`).
 """
+from __future__ import annotations
+
 import contextlib
-import dataclasses
-import uuid
 import weakref
+from typing import Any, Iterator, Sequence
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.modules import module as nn_module
 
 from torchstrategy import context, mirroring, ownership, runtime
-from torchstrategy.cluster_resolver import ClusterResolver
+from torchstrategy.cluster_resolver import ClusterResolver, detect
 from torchstrategy.collectives.communicator import Communicator
 from torchstrategy.collectives.cross_device_ops import as_cross_device_ops
 from torchstrategy.communication_options import CommunicationOptions
 from torchstrategy.launch import world as world_lib
-from torchstrategy.strategies import multi_worker_mirrored as multi_worker
-from torchstrategy.strategies.base import Strategy, logger
+from torchstrategy.strategies.base import (Strategy, check_trainer_replicas, logger,
+                                          trainer_device_names)
 from torchstrategy.strategies.sharding import plan, state
 from torchstrategy.strategies.spmd import SPMDExtended
+from torchstrategy.strategies.startup import start_replica_process
 
 
 def _on_submodule(parent, name, submodule):
@@ -56,7 +57,11 @@ def _install_submodule_hook():
 
 
 class ShardedExtended(SPMDExtended):
-    """`SPMDExtended` whose parameters are sharded with FSDP2 instead of mirrored.
+    """`SPMDExtended` whose parameters are sharded with FSDP2 instead of mirrored: it
+    records the modules created in scope (not their tensors), shards them when the scope
+    exits, and lets FSDP2 reduce their gradients (no gradient reducer is built). Buffers
+    and non-trainable variables are mirrored as `SPMDExtended`'s; ``adopt`` and the first
+    run's check are its own.
 
     Args:
       container: the `ShardedStrategy`.
@@ -69,14 +74,14 @@ class ShardedExtended(SPMDExtended):
     """
 
     shards_parameters = True
+    # Parameters are recorded here by module (`record_parameter`), not into self._mirrored.
+    records_in_scope = False
 
-    def __init__(self, container, communicator, torch_device, mesh, shard_modules,
-                 fsdp_kwargs):
-        super().__init__(container, communicator, torch_device)
-        if self._reducer is not None:
-            # FSDP2 reduces the gradients; the mirrored reducer would sum them again.
-            self._reducer.close()
-            self._reducer = None
+    def __init__(self, container: Strategy, communicator: Communicator,
+                 torch_device: torch.device, mesh: DeviceMesh,
+                 shard_modules: Sequence[Any] | None, fsdp_kwargs: dict[str, Any]) -> None:
+        # FSDP2 reduces the gradients; a mirrored reducer would sum them again.
+        super().__init__(container, communicator, torch_device, reduce_gradients=False)
         self._mesh = mesh
         self._shard_modules = shard_modules
         self._fsdp_kwargs = fsdp_kwargs
@@ -84,9 +89,6 @@ class ShardedExtended(SPMDExtended):
         self._parent = {}               # id(child) -> (weakref(child), weakref(parent))
         self._roots = []                # weakrefs to the sharded models
         self._sharding = False
-        # SPMDExtended's first-run check of unmirrored parameters does not apply here
-        # (this class records its own way); `call_for_each_replica` checks sharding.
-        self._first_run_checked = False
         self._stale = state.stale_parameters()
         runtime.current().install_once("torchstrategy.sharded.submodule-hook",
                                        _install_submodule_hook)
@@ -213,21 +215,19 @@ class ShardedExtended(SPMDExtended):
         self._roots.append(weakref.ref(root))
 
     # -- running ---------------------------------------------------------------------------
-    def call_for_each_replica(self, fn, args, kwargs):
-        """As `SPMDExtended`'s; the first run also checks that every module with
-        parameters that it calls belongs to a sharded model."""
-        if self._first_run_checked:
-            return super().call_for_each_replica(fn, args, kwargs)
-        self.synchronize_mirrored_state()
+    @contextlib.contextmanager
+    def _first_run_check(self) -> Iterator[None]:
+        """Until a run returns (with one replica too): every module with parameters that
+        the run calls must belong to a sharded model, else RuntimeError (its parameters
+        would be neither sharded nor have their gradients reduced). ``run`` has sharded
+        what the scope recorded before this is entered."""
         managed = {id(m) for root in self.sharded_models() for m in root.modules()}
         handle = nn_module.register_module_forward_pre_hook(
             lambda module, inputs: _check_managed(module, managed))
         try:
-            result = super().call_for_each_replica(fn, args, kwargs)
+            yield
         finally:
             handle.remove()
-        self._first_run_checked = True
-        return result
 
     def adopt(self, module, optimizer=None):
         """``strategy.adopt``: shards `module`, built outside the scope, as if it had been
@@ -251,6 +251,11 @@ class ShardedExtended(SPMDExtended):
         if optimizer is not None:
             self._stale.adopt(optimizer)
         return module
+
+    def prepare_trainer_module(self, module):
+        """FSDP2 units gather in forward; a Trainer calls the LightningModule's own step
+        methods, so its children are sharded, each as a model (`adopt_submodules`)."""
+        self.adopt_submodules(module)
 
     def adopt_submodules(self, module):
         """Shards each direct child of `module` that holds parameters as a model of its
@@ -419,9 +424,12 @@ class ShardedStrategy(Strategy):
       ValueError / TypeError: bad options, before any replica is launched.
     """
 
-    def __init__(self, devices=None, *, shard_modules=None, mixed_precision=None,
-                 reshard_after_forward=None, cpu_offload=False, shard_group_size=None,
-                 cluster_resolver=None, communication_options=None):
+    def __init__(self, devices: Sequence[str | torch.device] | None = None, *,
+                 shard_modules: Sequence[Any] | None = None, mixed_precision: Any = None,
+                 reshard_after_forward: bool | int | None = None, cpu_offload: Any = False,
+                 shard_group_size: int | None = None,
+                 cluster_resolver: ClusterResolver | None = None,
+                 communication_options: CommunicationOptions | None = None) -> None:
         shard_modules = plan.check_shard_modules(shard_modules)
         mp_policy = plan.mixed_precision_policy(mixed_precision)
         plan.check_reshard_after_forward(reshard_after_forward)
@@ -442,40 +450,33 @@ class ShardedStrategy(Strategy):
                 "are MirroredStrategy's gradient reducer options; FSDP2 reduce-scatters each "
                 "unit's gradients at once. Choose the units with shard_modules instead.")
         resolver = cluster_resolver if cluster_resolver is not None \
-            else multi_worker._default_resolver()
+            else detect.default_resolver()
         if not isinstance(resolver, ClusterResolver):
             raise TypeError(f"cluster_resolver must be a ts.cluster_resolver.ClusterResolver, "
                             f"got {resolver!r}.")
-        timeout = world_lib.timeout_seconds(options.timeout_seconds)
-        world, local = multi_worker._establish_world(resolver, devices, options.implementation,
-                                                     timeout)
-        torch_device = local[world.local_rank].torch_device
-        backend = multi_worker._backend(options.implementation, torch_device.type)
+        process = start_replica_process(
+            devices=devices, cross_device_ops=as_cross_device_ops(None),
+            timeout_seconds=world_lib.timeout_seconds(options.timeout_seconds),
+            cluster_resolver=resolver, implementation=options.implementation,
+            # FSDP2 needs a process group even for one replica.
+            group_for_one_replica=True,
+            # A group size that does not divide the replicas is refused before any group.
+            check_world=lambda world: _mesh_shape(world.world_size, shard_group_size))
+        world, torch_device = process.world, process.torch_device
         shape, names = _mesh_shape(world.world_size, shard_group_size)
-        if torch_device.type == "cuda":
-            torch.cuda.set_device(torch_device)
-        if world.world_size == 1 and not dist.is_initialized():
-            # FSDP2 needs a process group even for one replica: one of size 1, in memory.
-            world = dataclasses.replace(world, store=dist.HashStore())
-        runtime.current().init_process_group(world, backend, timeout)
-        communicator = Communicator(None, world.rank, world.world_size, torch_device,
-                                    as_cross_device_ops(None))
-        if world.world_size > 1:
-            token = communicator.broadcast_object(uuid.uuid4().hex)
-            communicator.diagnose = multi_worker._roll_call_for(world, resolver, token)
         mesh = init_device_mesh(torch_device.type, shape, mesh_dim_names=names)
         fsdp_kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
                        "mp_policy": mp_policy,
                        "offload_policy": plan.offload_policy(cpu_offload, torch_device.type)}
-        super().__init__(ShardedExtended(self, communicator, torch_device, mesh,
+        super().__init__(ShardedExtended(self, process.communicator, torch_device, mesh,
                                          shard_modules, fsdp_kwargs))
         self._world = world
         self._resolver = resolver
-        self._devices = tuple(d.name for d in local)
+        self._devices = process.device_names
         self._shape = shape
         if world.rank == 0:
             logger.info(f"ShardedStrategy with {world.world_size} replica(s), mesh "
-                        f"{dict(zip(names, shape))}, on {backend}")
+                        f"{dict(zip(names, shape))}, on {process.backend}")
 
     @property
     def cluster_resolver(self):
@@ -490,6 +491,19 @@ class ShardedStrategy(Strategy):
     def worker_index(self):
         """This machine's rank among the machines."""
         return self._world.node_rank
+
+    @classmethod
+    def build_for_trainer(cls, devices, num_nodes, *, name):
+        """One replica per Trainer device; several machines under torchrun
+        (``Trainer(strategy="sharded")``).
+
+        Raises:
+          ValueError: devices other than CPU or CUDA; a job whose replica count is not
+            ``num_nodes * len(devices)``.
+        """
+        strategy = cls(devices=trainer_device_names(devices, name))
+        check_trainer_replicas(strategy, devices, num_nodes)
+        return strategy
 
     def __repr__(self):
         return (f"ShardedStrategy(num_replicas_in_sync={self.num_replicas_in_sync}, "

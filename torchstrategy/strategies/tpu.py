@@ -33,7 +33,7 @@ from torchstrategy.launch import world as world_lib
 from torchstrategy.reduce_op import ReduceOp, as_mean_input, as_reduce_op
 from torchstrategy.replica_context import ReplicaContext
 from torchstrategy.run_options import check_run_options
-from torchstrategy.strategies.base import Strategy, StrategyExtended, logger
+from torchstrategy.strategies.base import MetricSync, Strategy, StrategyExtended, logger
 from torchstrategy.strategies.spmd import destination_device
 from torchstrategy.xla import require_torch_xla
 from torchstrategy.xla.input import TPUDistributedDataset, TPUDistributedDatasetsFromFunction
@@ -93,6 +93,17 @@ class TPUExtended(StrategyExtended):
     @property
     def experimental_require_static_shapes(self):
         return True  # a new batch shape is a new XLA compilation
+
+    @property
+    def one_replica_per_process(self):
+        """False: one XLA program per host runs every local replica."""
+        return False
+
+    def metric_sync(self):
+        """Nothing to gather or lock: the step is one SPMD program over the global batch,
+        so a metric updated inside ``run`` already sees every replica's rows, on every host
+        (a process-group gather would count each row once per host)."""
+        return MetricSync()
 
     @property
     def pending_steps(self):
@@ -436,6 +447,11 @@ class TPUStrategy(Strategy):
                 f"torch_xla's runtime sees {mesh.process_count} host process(es) but the "
                 f"cluster resolver describes {hosts} host(s); start one process per host on "
                 "every host of the TPU job.")
+        # Not `startup.start_replica_process`: that start-up gives each process one replica
+        # (its world is the replicas, its device one of them, with re-execution for the
+        # others), while here one process drives every XLA device of its host. Its world
+        # is the hosts, found only under torchrun, and shares a gloo group for host-side
+        # work; torch_xla's runtime, not a process group, connects the devices.
         if mesh.process_count > 1:
             # Host-side coordination only (checkpoint barriers, seeds): the devices'
             # collectives are inside the XLA program.
