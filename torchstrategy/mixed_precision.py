@@ -18,7 +18,10 @@ Three pieces, with Keras's names, built on torch's own machinery (``torch.autoca
 
 bfloat16 has float32's range: it needs no loss scaling (Keras does not scale it either).
 """
+from __future__ import annotations
+
 import functools
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -44,7 +47,7 @@ class Policy:
       ValueError: another name, listing the valid ones.
     """
 
-    def __init__(self, name):
+    def __init__(self, name: str) -> None:
         if name not in _POLICIES:
             raise ValueError(f"Policy name {name!r} is not supported; use one of "
                              f"{sorted(_POLICIES)} (Keras's names).")
@@ -54,27 +57,27 @@ class Policy:
         self.variable_dtype = "float32"
 
     @property
-    def needs_loss_scaling(self):
+    def needs_loss_scaling(self) -> bool:
         """True for float16, whose small range underflows small gradients."""
         return self.torch_compute_dtype is torch.float16
 
-    def autocast(self, device_type):
+    def autocast(self, device_type: str) -> torch.autocast:
         """The ``torch.autocast`` context of this policy on `device_type` ("cpu", "cuda",
         ...); it does nothing for "float32"."""
         return torch.autocast(device_type, dtype=self.torch_compute_dtype,
                               enabled=self.torch_compute_dtype is not torch.float32)
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, Policy) and other.name == self.name
 
-    def __hash__(self):
+    def __hash__(self) -> int:
         return hash(self.name)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f'<Policy "{self.name}">'
 
 
-def _as_policy(policy):
+def _as_policy(policy: Policy | str) -> Policy:
     if isinstance(policy, Policy):
         return policy
     if isinstance(policy, str):
@@ -82,7 +85,7 @@ def _as_policy(policy):
     raise TypeError(f"policy must be a ts.mixed_precision.Policy or its name, got {policy!r}.")
 
 
-def _to_variable_dtype(output):
+def _to_variable_dtype(output: Any) -> Any:
     """Floating tensors of `output` (any nesting of tuples, lists, dicts) as float32."""
     if isinstance(output, torch.Tensor):
         return output.float() if output.is_floating_point() else output
@@ -97,36 +100,37 @@ def _to_variable_dtype(output):
 class _AutocastForward:
     """A module's forward under its policy's autocast (installed by `apply_policy`)."""
 
-    def __init__(self, module, forward, policy):
+    def __init__(self, module: torch.nn.Module, forward: Callable[..., Any],
+                 policy: Policy) -> None:
         self.policy = policy
         self._module = module
         self._forward = forward
         functools.update_wrapper(self, forward)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self.policy.autocast(_device_type(self._module)):
             output = self._forward(*args, **kwargs)
         return _to_variable_dtype(output)
 
-    def __deepcopy__(self, memo):
+    def __deepcopy__(self, memo: dict[int, Any]) -> _AutocastForward:
         # copy.deepcopy(model) records the new module in `memo` before copying its
         # attributes: the copy's forward must call the copy, not the original.
         module = memo.get(id(self._module), self._module)
-        forward = self._forward
+        forward: Any = self._forward   # a bound method of the module, or any callable
         if getattr(forward, "__self__", None) is self._module:
             forward = forward.__func__.__get__(module)
         return _AutocastForward(module, forward, self.policy)
 
 
-def _device_type(module):
+def _device_type(module: torch.nn.Module) -> str:
     for tensor in module.parameters():
         return tensor.device.type
-    for tensor in module.buffers():
-        return tensor.device.type
+    for buffer in module.buffers():
+        return buffer.device.type
     return "cpu"
 
 
-def apply_policy(module, policy):
+def apply_policy(module: torch.nn.Module, policy: Policy | str) -> torch.nn.Module:
     """Makes `module`'s forward run in `policy`'s compute dtype; returns `module`.
 
     Guarantees: the forward runs under ``torch.autocast`` on the device of the module's
@@ -141,9 +145,10 @@ def apply_policy(module, policy):
     policy = _as_policy(policy)
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"apply_policy takes a torch.nn.Module, got {module!r}.")
-    if isinstance(module.__dict__.get("forward"), _AutocastForward):
+    installed = module.__dict__.get("forward")
+    if isinstance(installed, _AutocastForward):
         raise ValueError(f"{type(module).__name__} already runs under "
-                         f"{module.forward.policy!r}; apply a policy once.")
+                         f"{installed.policy!r}; apply a policy once.")
     module.forward = _AutocastForward(module, module.forward, policy)
     return module
 
@@ -170,7 +175,8 @@ class LossScaleOptimizer:
       TypeError / ValueError: a bad argument, named.
     """
 
-    def __init__(self, inner_optimizer, initial_scale=2.0 ** 15, dynamic_growth_steps=2000):
+    def __init__(self, inner_optimizer: torch.optim.Optimizer, initial_scale: float = 2.0 ** 15,
+                 dynamic_growth_steps: int = 2000) -> None:
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise TypeError(f"inner_optimizer must be a torch.optim.Optimizer, got "
                             f"{inner_optimizer!r}.")
@@ -197,22 +203,23 @@ class LossScaleOptimizer:
 
     # -- Keras's interface -----------------------------------------------------------
     @property
-    def loss_scale(self):
+    def loss_scale(self) -> float:
         """The current loss scale (a float)."""
         return float(self._scaler.get_scale())
 
-    def get_scaled_loss(self, loss):
+    def get_scaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """`loss` times the loss scale: call ``.backward()`` on it."""
         self._scaled = True
         return self._scaler.scale(loss)
 
-    def get_unscaled_gradients(self, grads):
+    def get_unscaled_gradients(self, grads: Sequence[torch.Tensor | None]
+                               ) -> list[torch.Tensor | None]:
         """Gradients of the scaled loss (e.g. from ``torch.autograd.grad``) divided by the
         scale; None entries stay None."""
         inverse = 1.0 / self.loss_scale
         return [None if g is None else g * inverse for g in grads]
 
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], Any] | None = None) -> bool:
         """Applies the gradients unless one replica's hold an inf or NaN; adapts the scale.
 
         Returns True when the step was applied (the same on every replica).
@@ -243,7 +250,7 @@ class LossScaleOptimizer:
         self._scaler.update()
         return not overflow
 
-    def _agreed_overflow(self, grads):
+    def _agreed_overflow(self, grads: Sequence[torch.Tensor]) -> bool:
         """True when any replica's gradients hold an inf or NaN (one all-reduce)."""
         device = grads[0].device if grads else torch.device("cpu")
         local = torch.zeros((), device=device)
@@ -258,24 +265,24 @@ class LossScaleOptimizer:
         return bool(local > 0)
 
     # -- the optimizer's interface ---------------------------------------------------
-    def zero_grad(self, set_to_none=True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner_optimizer.zero_grad(set_to_none=set_to_none)
 
     @property
-    def param_groups(self):
+    def param_groups(self) -> list[dict[str, Any]]:
         return self.inner_optimizer.param_groups
 
     @property
-    def state(self):
+    def state(self) -> Any:
         return self.inner_optimizer.state
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict with the scaler's under "loss_scale"."""
         state = dict(self.inner_optimizer.state_dict())
         state["loss_scale"] = self._scaler.state_dict()
         return state
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores what `state_dict` returned (the scale included)."""
         state = dict(state_dict)
         scaler_state = state.pop("loss_scale", None)
@@ -285,6 +292,6 @@ class LossScaleOptimizer:
         self.inner_optimizer.load_state_dict(state)
         self._scaler.load_state_dict(scaler_state)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"LossScaleOptimizer({type(self.inner_optimizer).__name__}, "
                 f"loss_scale={self.loss_scale:g})")

@@ -15,9 +15,12 @@ Guarantees:
 - The thread-local state torch keeps per thread (grad mode, inference mode, autocast) is
   copied from the calling thread into every replica thread.
 """
+from __future__ import annotations
+
 import contextlib
 import threading
 import time
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
@@ -39,22 +42,24 @@ class ReplicaGroup:
     collective.
     """
 
-    def __init__(self, num_replicas, timeout_seconds):
+    def __init__(self, num_replicas: int, timeout_seconds: float) -> None:
         self.num_replicas = num_replicas
         self.timeout_seconds = timeout_seconds
         self._cond = threading.Condition()
         self._generation = 0
-        self._contributions = [None] * num_replicas
-        self._arrived = set()
-        self._last = (None, None)   # (result, error) of the round that just completed
-        self._failure = None        # (replica_id, exception) of the first failure
+        self._contributions: list[Any] = [None] * num_replicas
+        self._arrived: set[int] = set()
+        # (result, error) of the round that just completed
+        self._last: tuple[Any, BaseException | None] = (None, None)
+        # (replica_id, exception) of the first failure
+        self._failure: tuple[int, BaseException] | None = None
 
     @property
-    def failure(self):
+    def failure(self) -> tuple[int, BaseException] | None:
         """(replica_id, exception) of the first replica that failed, or None."""
         return self._failure
 
-    def abort(self, replica_id, error):
+    def abort(self, replica_id: int, error: BaseException) -> None:
         """Records `error` as the group's failure (the first one wins) and releases every
         replica waiting at a rendezvous."""
         with self._cond:
@@ -62,12 +67,13 @@ class ReplicaGroup:
                 self._failure = (replica_id, error)
             self._cond.notify_all()
 
-    def _aborted_error(self, replica_id, what):
-        failed, error = self._failure
+    def _aborted_error(self, replica_id: int, what: str) -> ReplicaAborted:
+        failed, error = self._failure or (-1, None)
         return ReplicaAborted(f"torchstrategy: replica {replica_id} stopped at {what} because "
                               f"replica {failed} failed: {type(error).__name__}: {error}")
 
-    def rendezvous(self, replica_id, what, value=None, action=None):
+    def rendezvous(self, replica_id: int, what: str, value: Any = None,
+                   action: Callable[[list[Any]], Any] | None = None) -> Any:
         """Waits until every replica has arrived, then returns ``action(values)`` (values in
         replica order), computed once by the last replica to arrive; None without action.
 
@@ -98,29 +104,29 @@ class ReplicaGroup:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         missing = sorted(set(range(self.num_replicas)) - self._arrived)
-                        error = CollectiveError(
+                        timeout = CollectiveError(
                             f"torchstrategy: {what} on replica {replica_id} timed out after "
                             f"{self.timeout_seconds:g} s: replica(s) {missing} did not reach "
                             "it (every replica must run the same steps: backward, "
                             "optimizer.step, all_reduce, merge_call, in the same order).")
                         if self._failure is None:
-                            self._failure = (replica_id, error)
+                            self._failure = (replica_id, timeout)
                         self._cond.notify_all()
-                        raise error
+                        raise timeout
                     self._cond.wait(remaining)
                 if self._generation == generation:
                     raise self._aborted_error(replica_id, what)
-            result, error = self._last
-        if error is not None:
-            raise error
+            result, raised = self._last
+        if raised is not None:
+            raise raised
         return result
 
 
-def _thread_state():
+def _thread_state() -> Callable[[], ContextManager[None]]:
     """The calling thread's torch thread-local state, as a context manager factory."""
     grad = torch.is_grad_enabled()
     inference = torch.is_inference_mode_enabled()
-    autocasts = []
+    autocasts: list[tuple[str, torch.dtype]] = []
     for device_type in ("cpu", "cuda"):
         if device_type == "cuda" and not torch.cuda.is_available():
             continue
@@ -128,7 +134,7 @@ def _thread_state():
             autocasts.append((device_type, torch.get_autocast_dtype(device_type)))
 
     @contextlib.contextmanager
-    def restore():
+    def restore() -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.inference_mode() if inference
                                 else torch.set_grad_enabled(grad))
@@ -138,7 +144,7 @@ def _thread_state():
     return restore
 
 
-def run_replicas(group, replica_fn):
+def run_replicas(group: ReplicaGroup, replica_fn: Callable[[int], Any]) -> list[Any]:
     """Runs ``replica_fn(replica_id)`` for every replica of `group`, each in its own thread.
 
     Returns:
@@ -149,10 +155,10 @@ def run_replicas(group, replica_fn):
       rendezvous and end); `KeyboardInterrupt` aborts every replica.
     """
     n = group.num_replicas
-    results = [None] * n
+    results: list[Any] = [None] * n
     restore = _thread_state()
 
-    def body(replica_id):
+    def body(replica_id: int) -> None:
         try:
             with restore():
                 results[replica_id] = replica_fn(replica_id)
@@ -174,6 +180,6 @@ def run_replicas(group, replica_fn):
         deadline = time.monotonic() + _ABORT_GRACE_SECONDS
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        _, error = group.failure
-        raise error
+        _, first = group.failure
+        raise first
     return results

@@ -4,12 +4,21 @@ A *unit* is a module given to ``fully_shard``: its parameters (those not inside 
 unit) are all-gathered together before its forward and reduce-scattered together after
 its backward, so a unit is also the granularity of communication and of peak memory.
 """
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence, Union
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
+# What names a unit in ``shard_modules``: an ``nn.Module`` subclass, or a module's
+# qualified name or class name.
+ModuleEntry = Union[type[nn.Module], str]
 
-def mixed_precision_policy(mixed_precision):
+
+def mixed_precision_policy(mixed_precision: torch.dtype | str | MixedPrecisionPolicy | None
+                           ) -> MixedPrecisionPolicy:
     """The FSDP2 `MixedPrecisionPolicy` for ShardedStrategy's `mixed_precision` argument.
 
     None: full precision. A floating dtype (``torch.bfloat16``, ``torch.float16``) or its
@@ -35,7 +44,7 @@ def mixed_precision_policy(mixed_precision):
         "or None for full precision.")
 
 
-def offload_policy(cpu_offload, device_type):
+def offload_policy(cpu_offload: bool | OffloadPolicy, device_type: str) -> OffloadPolicy:
     """The FSDP2 offload policy for ShardedStrategy's `cpu_offload` argument: False (none),
     True (sharded parameters, gradients and optimizer state in host memory, pinned when the
     replicas are GPUs) or a `CPUOffloadPolicy`.
@@ -53,7 +62,7 @@ def offload_policy(cpu_offload, device_type):
                     "torch.distributed.fsdp.CPUOffloadPolicy.")
 
 
-def check_reshard_after_forward(value):
+def check_reshard_after_forward(value: bool | int | None) -> bool | int | None:
     """Returns `value` if FSDP2 accepts it: None (FSDP2's default: True for every unit but
     the model itself, whose parameters backward needs first), True (free the gathered
     parameters after forward, gather again in backward: least memory), False (keep them
@@ -70,7 +79,8 @@ def check_reshard_after_forward(value):
                      "number of replicas > 1 to reshard to.")
 
 
-def check_shard_modules(shard_modules):
+def check_shard_modules(shard_modules: ModuleEntry | Iterable[ModuleEntry] | None
+                        ) -> tuple[ModuleEntry, ...] | None:
     """Returns `shard_modules` as a tuple of module classes and names (None: the default
     policy).
 
@@ -97,20 +107,20 @@ def check_shard_modules(shard_modules):
     return entries
 
 
-def _has_parameters(module):
+def _has_parameters(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 
 
-def repeated_blocks(root):
+def repeated_blocks(root: nn.Module) -> list[nn.Module]:
     """The default policy: the children of every ``nn.ModuleList`` / ``nn.Sequential`` whose
     class repeats there (at least two children of the same class holding parameters), e.g.
     each layer of a transformer's stack or each Linear of an MLP. Everything else (an
     embedding, a final norm, a head) stays in its parent's unit."""
-    chosen = []
+    chosen: list[nn.Module] = []
     for module in root.modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
-        by_class = {}
+        by_class: dict[type, list[nn.Module]] = {}
         for child in module.children():
             if _has_parameters(child):
                 by_class.setdefault(type(child), []).append(child)
@@ -120,11 +130,12 @@ def repeated_blocks(root):
     return chosen
 
 
-def named_blocks(root, entries, matched):
+def named_blocks(root: nn.Module, entries: Sequence[ModuleEntry], matched: set[Any]
+                 ) -> list[nn.Module]:
     """The modules of `root` named by `entries` (classes: instances of them; strings: the
     qualified name in `root` or the class name); adds each entry that matched to
     `matched`."""
-    chosen = []
+    chosen: list[nn.Module] = []
     for name, module in root.named_modules():
         for entry in entries:
             hit = isinstance(module, entry) if isinstance(entry, type) else \
@@ -137,7 +148,8 @@ def named_blocks(root, entries, matched):
     return chosen
 
 
-def plan_units(roots, entries):
+def plan_units(roots: Sequence[nn.Module], entries: Sequence[ModuleEntry] | None
+               ) -> list[tuple[nn.Module, list[nn.Module]]]:
     """The units of each root, children before parents, the root last: a list of
     ``(root, [modules to shard])`` (empty without roots: nothing new to shard).
 
@@ -147,8 +159,8 @@ def plan_units(roots, entries):
     """
     if not roots:
         return []
-    matched = set()
-    plans = []
+    matched: set[Any] = set()
+    plans: list[tuple[nn.Module, list[nn.Module]]] = []
     for root in roots:
         chosen = repeated_blocks(root) if entries is None else \
             named_blocks(root, entries, matched)

@@ -11,7 +11,11 @@ Checkpoints go through ``torch.distributed.checkpoint``: `save` / `load` write a
 replica's shards (a checkpoint written by N replicas loads on M), `export_state_dict` gives
 the plain single-device ``state_dict``.
 """
+from __future__ import annotations
+
+import os
 import weakref
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -92,7 +96,7 @@ class StaleParameters:
         self._adopted[optimizer] = self._version
 
 
-def _parameter(root, name):
+def _parameter(root: torch.nn.Module | None, name: str) -> torch.nn.Parameter | None:
     """`root`'s parameter `name`, or None when `root` is gone or no longer has it."""
     if root is None:
         return None
@@ -102,7 +106,7 @@ def _parameter(root, name):
         return None
 
 
-def stale_parameters():
+def stale_parameters() -> StaleParameters:
     """This process's `StaleParameters`, with the optimizer step pre-hook installed."""
     stale = runtime.current().state(_STATE_KEY, StaleParameters)
     runtime.current().install_once(
@@ -110,64 +114,69 @@ def stale_parameters():
     return stale
 
 
-def _before_step(optimizer, args, kwargs):
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     runtime.current().state(_STATE_KEY, StaleParameters).adopt(optimizer)
     return None
 
 
-def is_sharded(module):
+def is_sharded(module: Any) -> bool:
     """True if `module` holds at least one DTensor parameter."""
     return isinstance(module, torch.nn.Module) and any(
         isinstance(p, DTensor) for p in module.parameters())
 
 
-def _full(cpu_offload=True):
+def _full(cpu_offload: bool = True) -> StateDictOptions:
     return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
 
 
-def export_state_dict(model):
+def export_state_dict(model: torch.nn.Module) -> dict[str, Any]:
     """The plain single-device ``state_dict`` of a sharded `model` (a collective: every
     replica calls it): full tensors on the CPU, no DTensors, the keys of the unwrapped
     model. The chief (replica 0) gets it, the other replicas an empty dict."""
     return get_model_state_dict(model, options=_full())
 
 
-def export_optimizer_state_dict(model, optimizer):
+def export_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer
+                                ) -> dict[str, Any]:
     """The full ``state_dict`` of an optimizer over `model`'s sharded parameters, keyed by
     parameter name (a collective; the chief gets it, the others an empty dict)."""
     stale_parameters().adopt(optimizer)
     return get_optimizer_state_dict(model, optimizer, options=_full())
 
 
-def load_full_state_dict(model, state_dict):
+def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, Any]) -> None:
     """Loads a plain (full, unsharded) ``state_dict`` into a sharded `model`: every
     replica passes the same dict and keeps its shard. Missing or unexpected keys raise."""
     set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True))
 
 
-def load_full_optimizer_state_dict(model, optimizer, state_dict):
+def load_full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                                   state_dict: dict[str, Any]) -> None:
     """Loads what `export_optimizer_state_dict` returned (on every replica)."""
     stale_parameters().adopt(optimizer)
     set_optimizer_state_dict(model, optimizer, state_dict,
                              options=StateDictOptions(full_state_dict=True))
 
 
-def _checkpoint_state(model, optimizer):
-    state = {"model": get_model_state_dict(model)}
+def _checkpoint_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+                      ) -> dict[str, Any]:
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         stale_parameters().adopt(optimizer)
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     return state
 
 
-def save(path, model, optimizer=None):
+def save(path: str | os.PathLike[str], model: torch.nn.Module,
+         optimizer: torch.optim.Optimizer | None = None) -> None:
     """Writes a sharded checkpoint with ``torch.distributed.checkpoint``: every replica
     writes its own shards of `model` (and `optimizer`) into the directory `path`. A
     collective; `path` must be shared by the replicas (one file system)."""
     dcp.save(_checkpoint_state(model, optimizer), checkpoint_id=str(path))
 
 
-def load(path, model, optimizer=None):
+def load(path: str | os.PathLike[str], model: torch.nn.Module,
+         optimizer: torch.optim.Optimizer | None = None) -> None:
     """Reads a checkpoint written by `save` into `model` (and `optimizer`), whatever the
     number of replicas that wrote it: each replica reads the parts of the tensors its shards
     cover. A collective."""
