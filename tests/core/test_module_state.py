@@ -13,6 +13,7 @@ import torch
 
 import torchstrategy as ts
 from torchstrategy import module_state
+from torchstrategy.parameter_server import remote
 
 
 class Net(torch.nn.Module):
@@ -144,6 +145,36 @@ def test_a_new_tensor_with_a_dead_variables_id_is_not_that_variable(strategy):
     for tensor in reused:
         assert not strategy.extended.variable_created_in_scope(tensor)
         assert strategy.extended.value_container(tensor) is tensor
+
+
+class PaddedLinear(torch.nn.Linear):
+    """A Linear of an instance size of its own (see `Padded`)."""
+    __slots__ = tuple(f"_pad{i}" for i in range(40))
+
+    def __init__(self):
+        super().__init__(2, 1)
+
+
+def test_parameter_server_hooks_live_on_the_module():
+    with ts.parameter_server.local_cluster(num_workers=1, num_ps=1) as resolver:
+        strategy = ts.ParameterServerStrategy(resolver)
+        with strategy.scope():
+            first = PaddedLinear()
+        state = module_state.state_of(first)
+        assert state.owner is strategy.extended and len(state.hooks) == 3
+        dead_id = id(first)
+        del first, state
+        gc.collect()
+        with strategy.scope():
+            second = PaddedLinear()
+        assert id(second) == dead_id, "the premise: CPython reused the freed module's memory"
+        # Hooked although a module of its id was hooked before (an id() set said it was).
+        assert len(module_state.state_of(second, strategy.extended).hooks) == 3
+        remote.write_full(strategy.extended.layout_of(second.weight), torch.full((1, 2), 5.0))
+        second(torch.ones(1, 2))      # the forward pre-hook reads the servers' values
+        assert second.weight.tolist() == [[5.0, 5.0]]
+        # Sent to a worker inside the module, the state arrives as None.
+        assert pickle.loads(pickle.dumps(second)).__dict__[module_state.STATE_KEY] is None
 
 
 class _Owner:
