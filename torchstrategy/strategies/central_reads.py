@@ -28,8 +28,11 @@ central tensors):
 When ``run`` returns, the central ``param.grad`` is replica 0's view (the SUM), exactly what
 a single device would hold after ``backward()`` on the global batch.
 """
+from __future__ import annotations
+
 import contextlib
 import functools
+from typing import Any, Callable, ContextManager, Iterable, TypeVar
 
 import torch
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
@@ -37,17 +40,21 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
 from torch.overrides import TorchFunctionMode
 
 from torchstrategy import _compat, context, runtime
+from torchstrategy.strategies.replica_threads import ReplicaGroup
 
 # The functions torch passes to a mode for ``t.grad`` and ``t.grad = g`` (method-wrappers:
 # a new object at every access, so they are compared with ==).
-_GRAD_GET = torch.Tensor.grad.__get__
-_GRAD_SET = torch.Tensor.grad.__set__
+# torch's stubs declare `grad` as an attribute of type Tensor | None; it is a descriptor.
+_GRAD_GET = torch.Tensor.grad.__get__  # type: ignore[union-attr]
+_GRAD_SET = torch.Tensor.grad.__set__  # type: ignore[union-attr]
 
 # Key of the process-wide optimizer hooks in `torchstrategy.runtime`.
 _OPTIMIZER_HOOKS = "central_storage/optimizer-step-hooks"
 
+_Result = TypeVar("_Result")
 
-def current_replica():
+
+def current_replica() -> ReplicaReads | None:
     """The `ReplicaReads` of the replica context this thread is in, or None: outside
     replica threads, and in cross-replica context inside one (``merge_call``'s merge_fn,
     a ``scope()``), where operations are local to the process.
@@ -57,7 +64,7 @@ def current_replica():
     return getattr(context.get_replica_context(), "reads", None)
 
 
-def central_view():
+def central_view() -> ContextManager[Any]:
     """In a replica thread: operations inside see the central tensors themselves (for the
     code that maintains them: rendezvous actions, the optimizer's update, merge_call)."""
     replica = current_replica()
@@ -67,7 +74,7 @@ def central_view():
 class ReplicaReads(TorchFunctionMode):
     """One replica's view of the central tensors (see the module docstring)."""
 
-    def __init__(self, session, replica_id, device):
+    def __init__(self, session: RunSession, replica_id: int, device: torch.device) -> None:
         super().__init__()
         self.session = session
         self.replica_id = replica_id
@@ -75,22 +82,28 @@ class ReplicaReads(TorchFunctionMode):
         # Keyed by id(), on the hot path of every torch call in a replica: these tables
         # live for one run, whose `RunSession` holds every central tensor, so no id can
         # change hands while they exist (not a side table that outlives its keys).
-        self.copies = {}         # id(central tensor) -> this replica's copy
-        self.grads = {}          # id(central parameter) -> this replica's view of .grad
+        # id(central tensor) -> this replica's copy
+        self.copies: dict[int, torch.Tensor] = {}
+        # id(central parameter) -> this replica's view of .grad
+        self.grads: dict[int, torch.Tensor | None] = {}
         self._suspended = 0      # >0: operations see the central tensors themselves
         self._hide_grads = 0     # >0: every .grad reads None (a non-chief optimizer.step)
-        self.step_guards = []    # guards of the optimizer.step() calls in progress
+        # guards of the optimizer.step() calls in progress
+        self.step_guards: list[ContextManager[Any]] = []
 
-    def suspended(self):
+    def suspended(self) -> _Counter:
+        """Inside, operations see the central tensors themselves (nestable)."""
         return _Counter(self, "_suspended")
 
-    def hiding_grads(self):
+    def hiding_grads(self) -> _Counter:
+        """Inside, every ``.grad`` reads None (nestable)."""
         return _Counter(self, "_hide_grads")
 
-    def _read(self, tensor):
+    def _read(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.copies.get(id(tensor), tensor)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if self._suspended:
             return func(*args, **kwargs)
@@ -110,19 +123,20 @@ class ReplicaReads(TorchFunctionMode):
 
 
 class _Counter:
-    def __init__(self, owner, attribute):
+    def __init__(self, owner: object, attribute: str) -> None:
         self._owner, self._attribute = owner, attribute
 
-    def __enter__(self):
+    def __enter__(self) -> None:
         setattr(self._owner, self._attribute, getattr(self._owner, self._attribute) + 1)
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         setattr(self._owner, self._attribute, getattr(self._owner, self._attribute) - 1)
 
 
-def central_view_decorator(method):
+def central_view_decorator(method: Callable[..., _Result]) -> Callable[..., _Result]:
+    """`method` run inside `central_view()`."""
     @functools.wraps(method)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> _Result:
         with central_view():
             return method(*args, **kwargs)
     return wrapper
@@ -147,22 +161,24 @@ class RunSession:
 
     share_parameter_storage = True
 
-    def __init__(self, group, params, buffers, devices, parameter_device):
+    def __init__(self, group: ReplicaGroup, params: Iterable[torch.Tensor],
+                 buffers: Iterable[torch.Tensor], devices: Iterable[torch.device],
+                 parameter_device: torch.device) -> None:
         self.group = group
-        self.strategy = None      # set by the strategy that runs the session
+        self.strategy: Any = None      # set by the strategy that runs the session
         self.params = list(params)
         self.buffers = list(buffers)
         self.devices = list(devices)
         self.parameter_device = parameter_device
         self.replicas = [ReplicaReads(self, r, d) for r, d in enumerate(self.devices)]
-        self._leaves = [[None] * len(self.params) for _ in self.devices]
+        self._leaves: list[list[Any]] = [[None] * len(self.params) for _ in self.devices]
         self._queued = [False] * len(self.devices)
-        self._hooks = []
+        self._hooks: list[Any] = []
         with torch.no_grad():
             for r, replica in enumerate(self.replicas):
                 self._make_copies(r, replica)
 
-    def _make_copies(self, r, replica):
+    def _make_copies(self, r: int, replica: ReplicaReads) -> None:
         device = replica.device
         for i, p in enumerate(self.params):
             if device == p.device and self.share_parameter_storage:
@@ -183,21 +199,21 @@ class RunSession:
             replica.copies[id(b)] = b.detach().to(device, copy=True)
 
     # -- the end of backward -------------------------------------------------------------
-    def _on_gradient(self, replica_id):
+    def _on_gradient(self, replica_id: int) -> None:
         # The first gradient of a backward pass queues the synchronisation for the moment
         # the whole backward pass has finished in this replica.
         if not self._queued[replica_id]:
             self._queued[replica_id] = True
             _compat.queue_autograd_callback(lambda: self._end_of_backward(replica_id))
 
-    def _end_of_backward(self, replica_id):
+    def _end_of_backward(self, replica_id: int) -> None:
         self._queued[replica_id] = False
         self.group.rendezvous(replica_id, "the gradient sum at the end of backward()",
                               action=lambda _: self._sum_gradients())
 
     @torch.no_grad()
     @central_view_decorator
-    def _sum_gradients(self):
+    def _sum_gradients(self) -> None:
         """Adds the SUM over replicas of the gradients computed since the last sum to every
         replica's view of ``.grad``, and clears the per-replica leaves' gradients."""
         for i, p in enumerate(self.params):
@@ -223,27 +239,31 @@ class RunSession:
                 replica.grads[id(p)] = mine if previous is None else previous + mine
 
     # -- optimizer.step ------------------------------------------------------------------
-    def before_step(self, replica):
+    def before_step(self, replica: ReplicaReads) -> _Counter:
+        """Every replica's ``optimizer.step()`` waits for the others; returns what its call
+        runs under: replica 0 updates the central tensors, the others update nothing."""
         self.group.rendezvous(replica.replica_id, "optimizer.step()",
                               action=lambda _: self._publish_gradients())
         if replica.replica_id == 0:
             return replica.suspended()     # the update is applied to the central tensors
         return replica.hiding_grads()      # the other replicas' calls update nothing
 
-    def after_step(self, replica):
+    def after_step(self, replica: ReplicaReads) -> None:
+        """The end of ``optimizer.step()``: every replica waits for the update, and copies
+        on other devices read its result."""
         self.group.rendezvous(replica.replica_id, "the end of optimizer.step()",
                               action=lambda _: self._refresh_copies())
 
     @torch.no_grad()
     @central_view_decorator
-    def _publish_gradients(self):
+    def _publish_gradients(self) -> None:
         for p in self.params:
             grad = self.replicas[0].grads[id(p)]
             p.grad = None if grad is None else grad.to(p.device)
 
     @torch.no_grad()
     @central_view_decorator
-    def _refresh_copies(self):
+    def _refresh_copies(self) -> None:
         # Copies on another device than the parameters' read the updated values, as a read
         # of the central variable after the update would.
         for replica in self.replicas:
@@ -253,14 +273,14 @@ class RunSession:
                     leaf.copy_(p)
 
     # -- the end of run ------------------------------------------------------------------
-    def close(self):
+    def close(self) -> None:
         """Removes the run's autograd hooks (whether or not the run succeeded)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
 
     @torch.no_grad()
-    def write_back(self):
+    def write_back(self) -> None:
         """After a successful run, writes the replicas' results to the central tensors:
         ``.grad`` from replica 0's view, buffers as the mean (floating) or replica 0's value
         (others)."""
@@ -278,18 +298,18 @@ class RunSession:
                 b.copy_(copies[0])
 
 
-def install_optimizer_hooks():
+def install_optimizer_hooks() -> None:
     """Makes ``optimizer.step()`` inside a replica thread apply its update once (see the
     module docstring); everywhere else the hooks do nothing. Installed once per process."""
     runtime.current().install_once(_OPTIMIZER_HOOKS, _register_optimizer_hooks)
 
 
-def _register_optimizer_hooks():
+def _register_optimizer_hooks() -> None:
     register_optimizer_step_pre_hook(_optimizer_step_begins)
     register_optimizer_step_post_hook(_optimizer_step_ends)
 
 
-def _optimizer_step_begins(optimizer, args, kwargs):
+def _optimizer_step_begins(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     replica = current_replica()
     if replica is None:
         return None
@@ -303,7 +323,7 @@ def _optimizer_step_begins(optimizer, args, kwargs):
     return None
 
 
-def _optimizer_step_ends(optimizer, args, kwargs):
+def _optimizer_step_ends(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     replica = current_replica()
     if replica is None:
         return
