@@ -9,6 +9,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 from torch.nn.modules import module as nn_module
+from torch.utils.weak import WeakIdKeyDictionary
 
 from torchstrategy import _compat, context, module_state, runtime
 from torchstrategy.collectives.communicator import Communicator
@@ -62,9 +63,9 @@ class MirroredState:
             module_state.IdentityMap()
         self._buffer_refs: list[tuple[weakref.ReferenceType[torch.nn.Module], str]] = []
         # module -> names of its recorded buffers; an entry goes with its module, so a new
-        # module is never mistaken for a dead one.
-        self._buffer_names: weakref.WeakKeyDictionary[torch.nn.Module, set[str]] = \
-            weakref.WeakKeyDictionary()
+        # module is never mistaken for a dead one (keyed by identity, whatever the module's
+        # class defines as equality).
+        self._buffer_names = WeakIdKeyDictionary()
         # (label, a function returning the tensor to broadcast, None if it is gone)
         self._pending: list[tuple[str, Callable[..., torch.Tensor | None]]] = []
 

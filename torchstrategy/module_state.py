@@ -14,9 +14,9 @@ is removed, with the hooks it registered, the next time it is looked up.
 Tensors and optimizers. A table keyed by ``id(obj)`` that outlives `obj` is a bug: a new
 object can get the dead one's id and be mistaken for it. Tables here either keep their keys
 alive (`IdentityMap`, for tensors a strategy holds anyway, such as the parameters it
-mirrors) or hold them weakly (``torch.utils.weak.WeakIdKeyDictionary`` for tensors,
-``weakref.WeakKeyDictionary`` for optimizers). Neither compares keys with ``==`` (a
-tensor's compares elements, and a tensor subclass may redefine it and ``__hash__``). A weak
+mirrors) or hold them weakly (``torch.utils.weak.WeakIdKeyDictionary``). Neither hashes or
+compares its keys (a tensor's ``==`` compares elements, and a subclass may redefine
+``__hash__``). A weak
 reference to a tensor that is still a module's parameter is avoided: ``swap_tensors``
 (which ``module.to()`` uses on DTensor parameters, or everywhere once
 ``torch.__future__.set_swap_module_params_on_conversion(True)``) refuses such tensors.

@@ -47,9 +47,7 @@ class StaleParameters:
         # a dead one.
         self._replaced = WeakIdKeyDictionary()
         self._version = 0
-        # optimizer -> the version it saw
-        self._adopted: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = \
-            weakref.WeakKeyDictionary()
+        self._adopted = WeakIdKeyDictionary()        # optimizer -> the version it saw
 
     def add(self, root: torch.nn.Module, before: dict[str, torch.Tensor]) -> None:
         """Records that `root`'s parameters `before` (name -> unsharded parameter) were
