@@ -23,8 +23,9 @@ import threading
 from typing import Any, Callable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
-from torchstrategy import nest, runtime
+from torchstrategy import module_state, nest, runtime
 from torchstrategy.aggregation import VariableAggregation, VariableSynchronization, as_enum
 from torchstrategy.cluster_resolver import ClusterResolver
 from torchstrategy.collectives.communicator import Communicator
@@ -73,10 +74,13 @@ class ParameterServerStrategyExtended(CommunicatorReplicaExtended):
         self._counter = itertools.count()
         self._lock = threading.Lock()
         self._recorded = []       # (module, name, param) registered in scope, not placed yet
-        self._layouts = {}        # id(param tensor) -> Layout
-        self._kept = []           # placed tensors, kept alive so their ids stay theirs
-        self._hooked_modules = set()
-        self._optimizers = {}     # id(optimizer) -> optimizers.RemoteOptimizer
+        # placed parameter -> its Layout, by identity; the parameters are kept alive (their
+        # values live on the servers), so none is ever taken for another.
+        self._layouts: module_state.IdentityMap[torch.Tensor, remote.Layout] = \
+            module_state.IdentityMap()
+        # optimizer -> its optimizers.RemoteOptimizer, by identity; an entry goes with its
+        # optimizer.
+        self._optimizers = WeakIdKeyDictionary()
         self._coordinator = None
         spec = membership.spec
         self._parameter_devices = tuple(rpc_world.task_name("ps", i)
@@ -177,14 +181,13 @@ class ParameterServerStrategyExtended(CommunicatorReplicaExtended):
             recorded, self._recorded = self._recorded, []
         creations = []
         for module, name, param in recorded:
-            if id(param) in self._layouts:
+            if param in self._layouts:
                 continue
             embedding = isinstance(module, torch.nn.Embedding) and name == "weight"
             layout, calls = self._place(param.detach().cpu(), f"{type(module).__name__}.{name}",
                                         param.requires_grad, embedding)
             creations += calls
-            self._layouts[id(param)] = layout
-            self._kept.append(param)
+            self._layouts[param] = layout
             self._hook(module)
         remote.wait(creations)
 
@@ -213,16 +216,19 @@ class ParameterServerStrategyExtended(CommunicatorReplicaExtended):
         return layout, calls
 
     def _hook(self, module):
-        if id(module) in self._hooked_modules:
+        """Registers, once, the hooks that keep `module`'s placed parameters in step with
+        the servers; their handles live in the module's `module_state`."""
+        hooked = module_state.attach(module, self)
+        if hooked.hooks:
             return
-        self._hooked_modules.add(id(module))
-        module.register_forward_pre_hook(_ChiefHook(self._pull_before_forward))
-        module.register_state_dict_pre_hook(_ChiefHook(self._pull_module))
-        module.register_load_state_dict_post_hook(_ChiefHook(self._push_module))
+        hooked.hooks = [
+            module.register_forward_pre_hook(_ChiefHook(self._pull_before_forward)),
+            module.register_state_dict_pre_hook(_ChiefHook(self._pull_module)),
+            module.register_load_state_dict_post_hook(_ChiefHook(self._push_module))]
 
     def _own_placed(self, module):
-        return [(p, self._layouts[id(p)]) for _, p in module.named_parameters(recurse=False)
-                if id(p) in self._layouts]
+        return [(p, self._layouts[p]) for _, p in module.named_parameters(recurse=False)
+                if p in self._layouts]
 
     def _pull_module(self, module, prefix, keep_vars):
         placed = self._own_placed(module)
@@ -241,7 +247,7 @@ class ParameterServerStrategyExtended(CommunicatorReplicaExtended):
 
     def layout_of(self, tensor):
         """Where a parameter created in the scope lives (a `remote.Layout`), or None."""
-        return self._layouts.get(id(tensor))
+        return self._layouts.get(tensor)
 
     # -- variables ---------------------------------------------------------------------------
     def create_variable(self, initial_value, trainable=None, name=None, dtype=None,
@@ -290,11 +296,11 @@ class ParameterServerStrategyExtended(CommunicatorReplicaExtended):
           ValueError: an optimizer over a parameter that was not made in the scope.
         """
         if isinstance(obj, torch.Tensor):
-            layout = self._layouts.get(id(obj))
+            layout = self._layouts.get(obj)
             return None if layout is None else ("param", layout)
         if isinstance(obj, torch.optim.Optimizer):
             with self._lock:
-                known = self._optimizers.get(id(obj))
+                known = self._optimizers.get(obj)
             if known is None:
                 known = self._register_optimizer(obj)
             return known.reference()
@@ -307,7 +313,7 @@ class ParameterServerStrategyExtended(CommunicatorReplicaExtended):
         for group in optimizer.param_groups:
             layouts = []
             for param in group["params"]:
-                layout = self._layouts.get(id(param))
+                layout = self._layouts.get(param)
                 if layout is None:
                     raise ValueError(
                         f"The optimizer {type(optimizer).__name__} given to a scheduled "
@@ -320,8 +326,7 @@ class ParameterServerStrategyExtended(CommunicatorReplicaExtended):
         remote_optimizer = optimizers.RemoteOptimizer(optimizer, key, groups)
         remote_optimizer.create()
         with self._lock:
-            # Keep the optimizer itself alive so that its id stays its own.
-            self._optimizers[id(optimizer)] = remote_optimizer
+            self._optimizers[optimizer] = remote_optimizer
         return remote_optimizer
 
 

@@ -29,7 +29,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.modules import module as nn_module
 
-from torchstrategy import context, mirroring, ownership, runtime
+from torchstrategy import context, mirroring, module_state, ownership, runtime
 from torchstrategy.cluster_resolver import ClusterResolver, detect
 from torchstrategy.collectives.communicator import Communicator
 from torchstrategy.collectives.cross_device_ops import as_cross_device_ops
@@ -86,7 +86,6 @@ class ShardedExtended(SPMDExtended):
         self._shard_modules = shard_modules
         self._fsdp_kwargs = fsdp_kwargs
         self._owners = []               # weakrefs to modules that registered a parameter
-        self._parent = {}               # id(child) -> (weakref(child), weakref(parent))
         self._roots = []                # weakrefs to the sharded models
         self._sharding = False
         self._stale = state.stale_parameters()
@@ -118,8 +117,10 @@ class ShardedExtended(SPMDExtended):
         self._owners.append(weakref.ref(module))
 
     def record_submodule(self, parent, child):
+        """Remembers, on `child` (its `module_state`), the module it was attached to in the
+        scope: `_take_new_roots` walks up to each model's root through it."""
         if not self._sharding:
-            self._parent[id(child)] = (weakref.ref(child), weakref.ref(parent))
+            module_state.attach(child, self).parent = weakref.ref(parent)
 
     def check_variable(self, variable):
         if variable.trainable:
@@ -138,10 +139,8 @@ class ShardedExtended(SPMDExtended):
         return super().variable_created_in_scope(v)
 
     def _parent_of(self, module):
-        entry = self._parent.get(id(module))
-        if entry is None or entry[0]() is not module:
-            return None
-        return entry[1]()
+        recorded = module_state.state_of(module, self)
+        return None if recorded is None else recorded.parent_module()
 
     def _take_new_roots(self):
         """The top-level modules of everything recorded since the last call (each once, in
@@ -158,8 +157,6 @@ class ShardedExtended(SPMDExtended):
             if module is not None and id(module) not in seen:
                 seen.add(id(module))
                 roots.append(module)
-        self._parent = {key: refs for key, refs in self._parent.items()
-                        if refs[0]() is not None and refs[1]() is not None}
         return roots
 
     # -- sharding ------------------------------------------------------------------------
@@ -277,7 +274,9 @@ class ShardedExtended(SPMDExtended):
             if next(child.parameters(), None) is not None and not state.is_sharded(child):
                 self._owners.append(weakref.ref(child))
                 # The child is a model of its own, not part of `module`'s tree.
-                self._parent.pop(id(child), None)
+                recorded = module_state.state_of(child, self)
+                if recorded is not None:
+                    recorded.parent = None
         self.synchronize_mirrored_state()
         return module
 
