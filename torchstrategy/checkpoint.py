@@ -9,9 +9,12 @@ into any number of shards (``variable.assign(value)``) or into a plain tensor. U
 the parameter servers, so ``{"model": model.state_dict(), "optimizer":
 optimizer.state_dict()}`` is the checkpoint one process would write.
 """
+from __future__ import annotations
+
 import glob
 import os
 import tempfile
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -24,24 +27,25 @@ class _ProcessGroupFacts:
     the default strategy is active, yet this process is still one replica of the launched
     world: take the rank, the barrier and the device from torch.distributed."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.replica_id = dist.get_rank()
         nccl = dist.get_backend() == "nccl" and torch.cuda.is_available()
         self.torch_device = torch.device("cuda", torch.cuda.current_device()) if nccl \
             else torch.device("cpu")
         self.communicator = self
 
-    def host_copy(self, obj):
+    def host_copy(self, obj: Any) -> Any:
         return obj
 
-    def barrier(self):
+    def barrier(self) -> None:
         if self.torch_device.type == "cuda":
             dist.barrier(device_ids=[self.torch_device.index])
         else:
             dist.barrier()
 
 
-def _strategy_facts():
+def _strategy_facts() -> tuple[Any, bool]:
+    ext: Any
     if not context.has_strategy() and dist.is_available() and dist.is_initialized() \
             and dist.get_world_size() > 1:
         ext = _ProcessGroupFacts()
@@ -50,7 +54,7 @@ def _strategy_facts():
     return ext, ext.replica_id == 0
 
 
-def save(obj, path):
+def save(obj: Any, path: str | os.PathLike[str]) -> None:
     """Writes ``torch.save(obj)`` to `path` from replica 0; the other replicas wait.
 
     The file appears atomically: it is written to a temporary file in the same directory,
@@ -71,7 +75,8 @@ def save(obj, path):
         raise error
 
 
-def write_atomically(obj, path, directory_mode=None):
+def write_atomically(obj: Any, path: str | os.PathLike[str],
+                     directory_mode: int | None = None) -> None:
     """``torch.save(obj)`` to `path` from this process alone, atomically.
 
     The bytes go to a temporary file ``.tmp-*.pt`` in the same directory, are flushed to
@@ -98,7 +103,7 @@ def write_atomically(obj, path, directory_mode=None):
             os.unlink(temporary)
 
 
-def remove_stale_temporaries(directory):
+def remove_stale_temporaries(directory: str | os.PathLike[str]) -> None:
     """Deletes the temporaries that writes killed midway left in `directory` (call it only
     where no other process is writing there)."""
     for stale in glob.glob(os.path.join(glob.escape(os.fspath(directory)), ".tmp-*.pt")):
@@ -108,7 +113,7 @@ def remove_stale_temporaries(directory):
             pass
 
 
-def _current_values(obj):
+def _current_values(obj: Any) -> Any:
     """`obj` with every variable held elsewhere (a parameter server's ``PSVariable`` or
     ``ShardedVariable``) replaced by its current value as one plain tensor, so checkpoints
     are plain tensors whatever the sharding. Containers are rebuilt only when they hold such
@@ -123,14 +128,16 @@ def _current_values(obj):
         out.update(items)
         return out
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        items = [_current_values(v) for v in obj]
-        if all(a is b for a, b in zip(items, obj)):
+        elements = [_current_values(v) for v in obj]
+        if all(a is b for a, b in zip(elements, obj)):
             return obj
-        return type(obj)(items)
+        return type(obj)(elements)
     return obj
 
 
-def load(path, map_location=None, weights_only=True):
+def load(path: str | os.PathLike[str],
+         map_location: str | torch.device | Callable[..., Any] | dict[str, str] | None = None,
+         weights_only: bool = True) -> Any:
     """Loads a checkpoint onto this replica's device (or `map_location`).
 
     By default only tensors and plain containers are unpickled (``weights_only=True``);

@@ -13,8 +13,11 @@ context). Outside ``run`` (a DDP-style loop, with or without the scope) it is th
 strategy's: the one whose ``scope()`` was entered last (`torchstrategy.ownership`), never
 the default strategy's one replica while a multi-replica strategy sums the gradients.
 """
+from __future__ import annotations
+
 import math
 import numbers
+from typing import Any
 
 import torch
 
@@ -22,7 +25,10 @@ from torchstrategy import context, ownership
 from torchstrategy.reduce_op import ReduceOp
 
 
-def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size=None):
+def compute_average_loss(per_example_loss: torch.Tensor | Any,
+                         sample_weight: torch.Tensor | float | None = None,
+                         global_batch_size: int | float | torch.Tensor | None = None
+                         ) -> torch.Tensor:
     """Scales per-example losses by the global batch size: ``sum(loss * weight) / B``.
 
     Args:
@@ -61,15 +67,15 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
     return per_example_loss.sum() / global_batch_size
 
 
-def _checked_batch_size(value):
+def _checked_batch_size(value: int | float | torch.Tensor) -> float:
     """`value` as a Python number of examples, or a ValueError naming it and the fix. A
     one-element tensor is read once, here (the division needs its value anyway)."""
-    number = value
+    number: Any = value   # a number once checked below
     if isinstance(value, torch.Tensor) and value.numel() == 1 and \
             not value.dtype.is_complex and value.dtype != torch.bool:
         number = value.item()
     valid = isinstance(number, numbers.Real) and not isinstance(number, bool) and \
-        math.isfinite(number) and number > 0 and float(number).is_integer()
+        math.isfinite(number) and float(number) > 0 and float(number).is_integer()
     if not valid:
         raise ValueError(f"compute_average_loss: global_batch_size must be positive and whole "
                          f"(a number of examples), got global_batch_size={value!r}. Pass the "
@@ -77,7 +83,7 @@ def _checked_batch_size(value):
     return number
 
 
-def scale_regularization_loss(regularization_loss):
+def scale_regularization_loss(regularization_loss: torch.Tensor) -> torch.Tensor:
     """Divides a regularisation loss (e.g. an L2 term) by the number of replicas, so that
     summing gradients over replicas adds it once. Under a strategy that traces one program
     for all replicas (TPUStrategy) the term is already added once and is returned as is."""
@@ -86,7 +92,7 @@ def scale_regularization_loss(regularization_loss):
     return regularization_loss / _num_replicas()
 
 
-def scale_mean_loss(loss):
+def scale_mean_loss(loss: torch.Tensor | float) -> torch.Tensor:
     """DDP's convention: `loss` is already a mean over this replica's examples (a criterion
     with its default ``reduction="mean"``); returns ``loss / num_replicas``, so that the
     gradients summed over replicas are the *average* of the replicas' gradients, exactly
@@ -118,11 +124,11 @@ def scale_mean_loss(loss):
     return loss / _num_replicas()
 
 
-def _traces_global_batch():
+def _traces_global_batch() -> bool:
     return context.get_strategy().extended.traces_global_batch
 
 
-def _outside_run_strategy():
+def _outside_run_strategy() -> tuple[context.AnyStrategy | None, int]:
     """The strategy whose replicas a ``backward()`` here sums over when it is not the
     current replica context's, and their number: outside ``run``, the live strategy."""
     live = ownership.live_strategy()
@@ -131,7 +137,7 @@ def _outside_run_strategy():
     return live, live.extended.backward_replicas_outside_run
 
 
-def _num_replicas():
+def _num_replicas() -> int:
     replica = context.get_replica_context()
     if context.in_run():
         if replica is not None:
@@ -140,7 +146,7 @@ def _num_replicas():
     return _outside_run_strategy()[1]
 
 
-def _global_count(local, device):
+def _global_count(local: int, device: torch.device) -> float:
     """The number of examples over every replica whose gradients the coming backward sums,
     given this replica's `local` count (one small all-reduce when there are several)."""
     if _traces_global_batch():
@@ -152,7 +158,7 @@ def _global_count(local, device):
             return float(replica.all_reduce(ReduceOp.SUM, count).item())
         return local * _num_replicas()
     live, replicas = _outside_run_strategy()
-    if replicas > 1:
+    if replicas > 1 and live is not None:
         # One float made here on every replica: no layout to compare first.
         (total,) = live.extended.communicator.all_reduce([count], ReduceOp.SUM,
                                                          check_layout=False)

@@ -29,22 +29,27 @@ strategy gets the first behaviour by default, or the second if its replicas are 
 
 torchmetrics is an optional dependency: it is imported only when `sync` is called.
 """
+from __future__ import annotations
+
 import threading
+from types import TracebackType
+from typing import Any, Callable
 
 import torch
 
 from torchstrategy import nest, values
-from torchstrategy.context import get_strategy
+from torchstrategy.collectives.communicator import Communicator
+from torchstrategy.context import AnyStrategy, get_strategy
 
 
 class _Shared:
     """A configuration object a metric keeps: copied metrics (``metric.clone()``) keep
     following the same strategy and lock instead of deep-copying them."""
 
-    def __deepcopy__(self, memo):
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Shared:
         return self
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         raise TypeError("A metric configured by ts.metrics.sync cannot be pickled (it refers "
                         "to its strategy): save metric.state_dict(), or call "
                         "ts.metrics.sync again on the metric loaded.")
@@ -54,17 +59,18 @@ class _CommunicatorGather(_Shared):
     """torchmetrics' ``dist_sync_fn`` over a strategy's communicator: every replica's
     version of one state tensor, in replica order (shapes may differ between replicas)."""
 
-    def __init__(self, communicator):
+    def __init__(self, communicator: Communicator) -> None:
         self._comm = communicator
 
-    def __call__(self, tensor, group=None):
+    def __call__(self, tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
         if group is not None:
             raise ValueError(f"ts.metrics.sync gathers over the strategy's replicas; a "
                              f"process_group ({group!r}) cannot be used with it. Leave "
                              "process_group unset.")
         shapes = self._comm.gather_objects(tuple(tensor.shape))
         flat = self._comm.all_gather([tensor.reshape(-1)], axis=0)[0]
-        parts, start = [], 0
+        parts: list[torch.Tensor] = []
+        start = 0
         for shape in shapes:
             count = 1
             for size in shape:
@@ -77,10 +83,10 @@ class _CommunicatorGather(_Shared):
 class _Available(_Shared):
     """torchmetrics' ``distributed_available_fn``: whether `compute` gathers."""
 
-    def __init__(self, gather):
+    def __init__(self, gather: bool) -> None:
         self._gather = gather
 
-    def __call__(self):
+    def __call__(self) -> bool:
         return self._gather
 
 
@@ -91,12 +97,13 @@ class _Update:
     metric). A copy of the metric (``clone()``) gets a wrapper of its own method, sharing
     the lock."""
 
-    def __init__(self, fn, lock=None, owner=None):
+    def __init__(self, fn: Callable[..., Any], lock: _Lock | None = None,
+                 owner: Any = None) -> None:
         self._fn = fn
         self._lock = lock
         self._owner = owner
 
-    def _move(self, structure):
+    def _move(self, structure: Any) -> Any:
         if self._owner is None:
             return structure
         device = self._owner.device  # read now: the metric may have been moved since
@@ -104,13 +111,13 @@ class _Update:
             lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf,
             structure)
 
-    def _call(self, args, kwargs):
+    def _call(self, args: Any, kwargs: Any) -> Any:
         if self._lock is None:
             return self._fn(*args, **kwargs)
         with self._lock:
             return self._fn(*self._move(args), **self._move(kwargs))
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, _ = nest.flatten((args, kwargs))
         distributed = [leaf for leaf in leaves if isinstance(leaf, values.DistributedValues)]
         if not distributed:
@@ -122,7 +129,7 @@ class _Update:
         return result
 
 
-def _members(metric, torchmetrics):
+def _members(metric: Any, torchmetrics: Any) -> list[Any]:
     if isinstance(metric, torchmetrics.MetricCollection):
         return list(metric.values(copy_state=False))
     if isinstance(metric, torchmetrics.Metric):
@@ -131,7 +138,7 @@ def _members(metric, torchmetrics):
                     "MetricCollection.")
 
 
-def sync(metric, strategy=None):
+def sync(metric: Any, strategy: AnyStrategy | None = None) -> Any:
     """Makes `metric` follow `strategy` (default: the current one, ``ts.get_strategy()``):
     updated inside ``strategy.run`` with each replica's rows (or in cross-replica context
     with the `PerReplica` results of ``run``), its ``compute()`` in cross-replica context
@@ -164,7 +171,7 @@ def sync(metric, strategy=None):
     return metric
 
 
-def _wrap(metric, lock, owner):
+def _wrap(metric: Any, lock: _Lock | None, owner: Any) -> None:
     # Idempotent: a second `sync` replaces the first one's wrappers.
     update = metric.update
     metric.update = _Update(update._fn if isinstance(update, _Update) else update, lock,
@@ -179,14 +186,15 @@ def _wrap(metric, lock, owner):
 class _Lock(_Shared):
     """A re-entrant lock (``forward`` calls ``update``) shared by a metric's wrappers."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.RLock()
 
-    def __enter__(self):
+    def __enter__(self) -> bool:
         return self._lock.__enter__()
 
-    def __exit__(self, *exc):
-        return self._lock.__exit__(*exc)
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        return self._lock.__exit__(kind, value, traceback)
 
 
 __all__ = ["sync"]

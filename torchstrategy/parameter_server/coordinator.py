@@ -17,6 +17,8 @@ As in TensorFlow (``tf.distribute.coordinator.ClusterCoordinator``):
   `ParameterServerUnavailableError` naming it; restart the cluster and restore from the
   last checkpoint.
 """
+from __future__ import annotations
+
 import collections
 import dataclasses
 import inspect
@@ -27,6 +29,7 @@ import os
 import threading
 import time
 import warnings
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch.distributed.rpc as rpc
 
@@ -48,7 +51,7 @@ WAIT_REPORT_ENV = "TORCHSTRATEGY_COORDINATOR_WAIT_REPORT_SECONDS"
 DEFAULT_WAIT_REPORT_SECONDS = 30.0
 
 
-def wait_report_seconds():
+def wait_report_seconds() -> float:
     """The period of `ClusterCoordinator.join`'s report while no worker is alive:
     $TORCHSTRATEGY_COORDINATOR_WAIT_REPORT_SECONDS, else 30.
 
@@ -79,20 +82,20 @@ class RemoteValue:
     return value (tensors on the CPU), or raises the function's error.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._done = threading.Event()
-        self._value = None
-        self._error = None
+        self._value: Any = None
+        self._error: BaseException | None = None
 
-    def _set(self, value):
+    def _set(self, value: Any) -> None:
         self._value = value
         self._done.set()
 
-    def _set_error(self, error):
+    def _set_error(self, error: BaseException) -> None:
         self._error = error
         self._done.set()
 
-    def fetch(self, timeout=None):
+    def fetch(self, timeout: float | None = None) -> Any:
         """The function's return value; raises its error (TimeoutError after `timeout`)."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"The scheduled function has not finished within {timeout} s.")
@@ -102,10 +105,11 @@ class RemoteValue:
 
     get = fetch
 
-    def done(self):
+    def done(self) -> bool:
+        """True once the function has run (its value or error is in)."""
         return self._done.is_set()
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
         return f"RemoteValue({state})"
 
@@ -114,20 +118,20 @@ class PerWorkerValues:
     """One value per worker (e.g. each worker's dataset iterator). Passed to a scheduled
     function, it becomes the value of the worker that runs the function."""
 
-    def __init__(self, key, workers):
+    def __init__(self, key: str, workers: Iterable[str]) -> None:
         self._key = key
         self._workers = tuple(workers)
 
     @property
-    def key(self):
+    def key(self) -> str:
         """The name the workers keep their values under."""
         return self._key
 
     @property
-    def workers(self):
+    def workers(self) -> tuple[str, ...]:
         return self._workers
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"PerWorkerValues({self._key!r}, workers={list(self._workers)})"
 
 
@@ -136,10 +140,10 @@ class PerWorkerIterator(PerWorkerValues):
     Call ``next()`` on it inside a scheduled function, where it is the running worker's
     iterator."""
 
-    def __iter__(self):
+    def __iter__(self) -> PerWorkerIterator:
         return self
 
-    def __next__(self):
+    def __next__(self) -> Any:
         raise TypeError("A per-worker iterator is advanced on the workers: pass it to "
                         "coordinator.schedule(fn, args=(iterator,)) and call next(iterator) "
                         "inside fn.")
@@ -149,11 +153,11 @@ class PerWorkerDataset:
     """A dataset built on every worker by ``dataset_fn``; ``iter()`` of it gives a
     `PerWorkerValues` of iterators (each worker iterates over its own dataset)."""
 
-    def __init__(self, coordinator, key):
+    def __init__(self, coordinator: ClusterCoordinator, key: str) -> None:
         self._coordinator = coordinator
         self._key = key
 
-    def __iter__(self):
+    def __iter__(self) -> PerWorkerIterator:
         return self._coordinator._make_per_worker_iterator(self._key)
 
 
@@ -177,7 +181,7 @@ class _PerWorkerDatasetSpec:
 
     rpc_target = staticmethod(worker_runtime.create_per_worker_value)
 
-    def args(self, worker_name, worker_names):
+    def args(self, worker_name: str, worker_names: Sequence[str]) -> tuple[Any, ...]:
         """The arguments of `rpc_target` on `worker_name` (one of `worker_names`)."""
         input_context = None
         if self.wants_context:
@@ -194,7 +198,7 @@ class _PerWorkerIteratorSpec:
 
     rpc_target = staticmethod(worker_runtime.make_iterator)
 
-    def args(self, worker_name, worker_names):
+    def args(self, worker_name: str, worker_names: Sequence[str]) -> tuple[Any, ...]:
         """The arguments of `rpc_target` on `worker_name` (one of `worker_names`)."""
         return self.key, self.source_key
 
@@ -206,24 +210,25 @@ class _ClosureQueue:
     `wait_idle`.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._cv = threading.Condition()
-        self._queue = collections.deque()
+        self._queue: collections.deque[_Closure] = collections.deque()
         self._inflight = 0
-        self._error = None        # first error of a scheduled function, raised once
-        self._ps_error = None     # a lost parameter server: fatal
+        # first error of a scheduled function, raised once
+        self._error: BaseException | None = None
+        self._ps_error: BaseException | None = None     # a lost parameter server: fatal
         self._stopped = False
 
     @property
-    def stopped(self):
+    def stopped(self) -> bool:
         return self._stopped
 
-    def put(self, closure):
+    def put(self, closure: _Closure) -> None:
         with self._cv:
             self._queue.append(closure)
             self._cv.notify_all()
 
-    def take(self):
+    def take(self) -> _Closure | None:
         """The next closure (counted as running), blocking until there is one; None once
         the queue is stopped."""
         with self._cv:
@@ -234,14 +239,15 @@ class _ClosureQueue:
             self._inflight += 1
             return self._queue.popleft()
 
-    def put_back(self, closure):
+    def put_back(self, closure: _Closure) -> None:
         """A running closure whose worker was lost goes back to the front of the queue."""
         with self._cv:
             self._queue.appendleft(closure)
             self._inflight -= 1
             self._cv.notify_all()
 
-    def finish(self, closure, value=None, error=None):
+    def finish(self, closure: _Closure, value: Any = None,
+               error: BaseException | None = None) -> None:
         if error is not None:
             closure.remote_value._set_error(error)
         else:
@@ -250,7 +256,7 @@ class _ClosureQueue:
             self._inflight -= 1
             self._cv.notify_all()
 
-    def fail(self, closure, error, worker_name):
+    def fail(self, closure: _Closure, error: BaseException, worker_name: str) -> None:
         """The closure's function failed: `error` is raised once by the coordinator, and
         the closures still queued are cancelled."""
         with self._cv:
@@ -261,7 +267,7 @@ class _ClosureQueue:
             f"Not run: an earlier scheduled function failed on {worker_name} with "
             f"{type(error).__name__}: {error}"))
 
-    def fail_parameter_server(self, closure, error):
+    def fail_parameter_server(self, closure: _Closure, error: BaseException) -> None:
         """A parameter server is lost: every later call to the coordinator raises `error`."""
         with self._cv:
             if self._ps_error is None:
@@ -269,14 +275,14 @@ class _ClosureQueue:
         self.finish(closure, error=error)
         self._cancel_queued(error)
 
-    def _cancel_queued(self, error):
+    def _cancel_queued(self, error: BaseException) -> None:
         with self._cv:
             queued, self._queue = list(self._queue), collections.deque()
             self._cv.notify_all()
         for closure in queued:
             closure.remote_value._set_error(error)
 
-    def wait_idle(self, timeout=None):
+    def wait_idle(self, timeout: float | None = None) -> bool:
         """Blocks until nothing is queued or running, or an error is pending (returns True),
         or until `timeout` seconds passed (returns False; None: no bound)."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -289,11 +295,11 @@ class _ClosureQueue:
                 self._cv.wait(remaining)
             return True
 
-    def idle(self):
+    def idle(self) -> bool:
         with self._cv:
             return not self._queue and not self._inflight
 
-    def raise_pending(self):
+    def raise_pending(self) -> None:
         with self._cv:
             if self._ps_error is not None:
                 raise self._ps_error
@@ -301,13 +307,13 @@ class _ClosureQueue:
         if error is not None:
             raise error
 
-    def stop(self):
+    def stop(self) -> None:
         """Wakes every waiter for good (the cluster is gone)."""
         with self._cv:
             self._stopped = True
             self._cv.notify_all()
 
-    def counts(self):
+    def counts(self) -> tuple[int, int]:
         with self._cv:
             return len(self._queue), self._inflight
 
@@ -320,7 +326,7 @@ class _Worker:
     and takes closures again.
     """
 
-    def __init__(self, coordinator, name, index):
+    def __init__(self, coordinator: ClusterCoordinator, name: str, index: int) -> None:
         self.name = name
         self.index = index      # its worker index (experimental_get_current_worker_index)
         self.alive = True
@@ -328,7 +334,7 @@ class _Worker:
         self.thread = threading.Thread(target=self._loop, name=f"torchstrategy-{name}",
                                        daemon=True)
 
-    def _loop(self):
+    def _loop(self) -> None:
         queue = self._coordinator.closure_queue
         while not queue.stopped:
             if not self.alive:
@@ -339,7 +345,7 @@ class _Worker:
                 return
             self._run(closure)
 
-    def _run(self, closure):
+    def _run(self, closure: _Closure) -> None:
         coordinator = self._coordinator
         queue = coordinator.closure_queue
         try:
@@ -366,7 +372,7 @@ class _Worker:
             queue.fail(closure, _with_remote_trace(result.error, self.name, result.trace),
                        self.name)
 
-    def _await_rejoin(self):
+    def _await_rejoin(self) -> None:
         """Blocks until a process named like this worker is back in the group and its
         per-worker values are rebuilt (or the cluster ends, or a bounded wait passed)."""
         coordinator = self._coordinator
@@ -394,7 +400,8 @@ class ClusterCoordinator:
         considered lost and the function re-queued.
     """
 
-    def __new__(cls, strategy, closure_timeout=DEFAULT_CLOSURE_TIMEOUT_SECONDS):
+    def __new__(cls, strategy: ParameterServerStrategy,
+                closure_timeout: float = DEFAULT_CLOSURE_TIMEOUT_SECONDS) -> ClusterCoordinator:
         if not isinstance(strategy, ParameterServerStrategy):
             raise TypeError(f"ClusterCoordinator needs a ParameterServerStrategy, got "
                             f"{type(strategy).__name__}.")
@@ -413,41 +420,42 @@ class ClusterCoordinator:
             worker.thread.start()
         return self
 
-    def _init(self, strategy, closure_timeout):
+    def _init(self, strategy: ParameterServerStrategy, closure_timeout: float) -> None:
         self._strategy = strategy
         ext = strategy.extended
         self._membership = ext.membership
         self._closure_timeout = closure_timeout
         self._queue = _ClosureQueue()
         self._keys = itertools.count()
-        self._per_worker_specs = []
+        self._per_worker_specs: list[_PerWorkerDatasetSpec | _PerWorkerIteratorSpec] = []
         self._spec_lock = threading.Lock()
         self._workers = {name: _Worker(self, name, index)
                          for index, name in enumerate(ext.worker_devices)}
 
-    def __init__(self, strategy, closure_timeout=DEFAULT_CLOSURE_TIMEOUT_SECONDS):
+    def __init__(self, strategy: ParameterServerStrategy,
+                 closure_timeout: float = DEFAULT_CLOSURE_TIMEOUT_SECONDS) -> None:
         """Everything is set up once, in ``__new__`` (which may return an existing
         coordinator, which must not be set up again)."""
 
     @property
-    def strategy(self):
+    def strategy(self) -> ParameterServerStrategy:
         return self._strategy
 
     @property
-    def closure_queue(self):
+    def closure_queue(self) -> _ClosureQueue:
         """The `_ClosureQueue` the worker threads take from."""
         return self._queue
 
     @property
-    def closure_timeout(self):
+    def closure_timeout(self) -> float:
         return self._closure_timeout
 
     @property
-    def membership(self):
+    def membership(self) -> rpc_world.Membership:
         return self._membership
 
     @staticmethod
-    def experimental_get_current_worker_index():
+    def experimental_get_current_worker_index() -> int:
         """Inside a function scheduled with `schedule`: the index (0 .. workers - 1) of the
         worker running it, as ``tf.distribute.coordinator.experimental_get_current_worker_
         index()`` gives it (e.g. to pick a per-worker shard).
@@ -458,7 +466,8 @@ class ClusterCoordinator:
         return worker_runtime.current_worker_index()
 
     # -- scheduling ----------------------------------------------------------------------------
-    def schedule(self, fn, args=None, kwargs=None):
+    def schedule(self, fn: Callable[..., Any], args: Sequence[Any] | None = None,
+                 kwargs: Mapping[str, Any] | None = None) -> RemoteValue:
         """Queues ``fn(*args, **kwargs)`` to run on some worker; returns its `RemoteValue`
         without waiting.
 
@@ -483,7 +492,7 @@ class ClusterCoordinator:
         self._queue.put(_Closure(payload, remote_value))
         return remote_value
 
-    def join(self):
+    def join(self) -> None:
         """Waits until every scheduled function has run.
 
         While no worker is alive (all died; their functions wait in the queue for one to
@@ -519,12 +528,12 @@ class ClusterCoordinator:
                 warnings.warn(message, RuntimeWarning, stacklevel=2)
         self._queue.raise_pending()
 
-    def done(self):
+    def done(self) -> bool:
         """True when every scheduled function has run; raises as `join` does."""
         self._queue.raise_pending()
         return self._queue.idle()
 
-    def fetch(self, val):
+    def fetch(self, val: Any) -> Any:
         """The values of the `RemoteValue`s in `val` (a `RemoteValue` or a nested structure
         of them); waits for each."""
         if isinstance(val, RemoteValue):
@@ -532,13 +541,13 @@ class ClusterCoordinator:
         return nest.map_structure(
             lambda leaf: leaf.fetch() if isinstance(leaf, RemoteValue) else leaf, val)
 
-    def _reference(self, obj):
+    def _reference(self, obj: object) -> tuple[Any, ...] | None:
         if isinstance(obj, PerWorkerValues):
             return ("per_worker", obj.key)
         return self._strategy.extended.reference(obj)
 
     # -- per-worker values -------------------------------------------------------------------
-    def create_per_worker_dataset(self, dataset_fn):
+    def create_per_worker_dataset(self, dataset_fn: Callable[..., Any]) -> PerWorkerDataset:
         """Builds ``dataset_fn()`` on every worker (``dataset_fn(input_context)`` when it
         takes an argument: a ``ts.InputContext`` with the worker's index among
         ``num_input_pipelines`` workers). Returns a `PerWorkerDataset`; iterate it with
@@ -554,15 +563,15 @@ class ClusterCoordinator:
         self._add_per_worker(_PerWorkerDatasetSpec(key, payload, wants_context))
         return PerWorkerDataset(self, key)
 
-    def _make_per_worker_iterator(self, source_key):
+    def _make_per_worker_iterator(self, source_key: str) -> PerWorkerIterator:
         key = self._new_key()
         self._add_per_worker(_PerWorkerIteratorSpec(key, source_key))
         return PerWorkerIterator(key, self._workers)
 
-    def _new_key(self):
+    def _new_key(self) -> str:
         return f"{self._strategy.extended.key_prefix}/per_worker/{next(self._keys)}"
 
-    def _add_per_worker(self, spec):
+    def _add_per_worker(self, spec: _PerWorkerDatasetSpec | _PerWorkerIteratorSpec) -> None:
         names = list(self._workers)
         with self._spec_lock:
             self._per_worker_specs.append(spec)
@@ -576,7 +585,7 @@ class ClusterCoordinator:
             if not remote.is_transport_error(error):
                 raise error
 
-    def replay_per_worker(self, name):
+    def replay_per_worker(self, name: str) -> None:
         """Rebuilds every per-worker value on the worker `name` (after it rejoined)."""
         names = list(self._workers)
         with self._spec_lock:
@@ -585,7 +594,7 @@ class ClusterCoordinator:
                               timeout=self._closure_timeout).wait()
 
     # -- failures ------------------------------------------------------------------------------
-    def forget_worker(self, name):
+    def forget_worker(self, name: str) -> None:
         """Drops a dead worker from the rpc group everywhere, so a restarted process with the
         same name can join."""
         members = self._membership.live_members()
@@ -601,17 +610,17 @@ class ClusterCoordinator:
         others = [member for member in members if member not in (name, self._membership.name)]
         errors = rpc_world.call_each(others, rpc_world.drop_local, (name, rank),
                                      _FORGET_TIMEOUT_SECONDS)
-        for member, error in errors.items():
+        for member, failure in errors.items():
             # That member is gone or silent too; it is dropped when its own loss is noticed.
-            logger.debug(f"{member} did not hear that {name} is gone: {error}")
+            logger.debug(f"{member} did not hear that {name} is gone: {failure}")
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         queued, running = self._queue.counts()
         return (f"ClusterCoordinator(workers={list(self._workers)}, queued={queued}, "
                 f"running={running})")
 
 
-def _takes_an_argument(fn):
+def _takes_an_argument(fn: Callable[..., Any]) -> bool:
     try:
         parameters = [p for p in inspect.signature(fn).parameters.values()
                       if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY,
@@ -621,7 +630,7 @@ def _takes_an_argument(fn):
     return len(parameters) >= 1
 
 
-def _with_remote_trace(error, worker_name, trace):
+def _with_remote_trace(error: BaseException, worker_name: str, trace: str) -> BaseException:
     try:
         error.add_note(f"Raised by the scheduled function on {worker_name}:\n{trace}")
     except AttributeError:  # not an exception with notes (Python < 3.11): keep it as is

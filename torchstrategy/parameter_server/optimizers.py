@@ -15,8 +15,11 @@ those copies in step:
   ``optimizer.load_state_dict(...)`` sends the loaded state back, split into whatever
   shards the variables have now.
 """
+from __future__ import annotations
+
 import threading
 import weakref
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -24,17 +27,17 @@ from torchstrategy import _compat
 from torchstrategy.parameter_server import ps_store, remote
 
 
-def _settings(optimizer):
+def _settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return [{name: value for name, value in group.items() if name != "params"}
             for group in optimizer.param_groups]
 
 
-def _copy_settings(settings):
+def _copy_settings(settings: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{name: value.detach().clone() if isinstance(value, torch.Tensor) else value
              for name, value in group.items()} for group in settings]
 
 
-def _same_value(a, b):
+def _same_value(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
                 and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))
@@ -44,20 +47,21 @@ def _same_value(a, b):
         return False
 
 
-def _same_settings(current, sent):
+def _same_settings(current: list[dict[str, Any]], sent: list[dict[str, Any]]) -> bool:
     return len(current) == len(sent) and all(
         group.keys() == old.keys() and all(_same_value(group[k], old[k]) for k in group)
         for group, old in zip(current, sent))
 
 
-def _row_wise(value, rows, row_shape):
+def _row_wise(value: Any, rows: int, row_shape: tuple[int, ...]) -> bool:
     """Whether a state entry has one row per variable row (exp_avg, momentum_buffer, ...),
     as opposed to a per-variable scalar such as Adam's step."""
     return (isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows
             and tuple(value.shape[1:]) == row_shape)
 
 
-def join_shard_states(layout, parts):
+def join_shard_states(layout: remote.Layout, parts: Sequence[dict[str, Any] | None]
+                      ) -> dict[str, Any] | None:
     """One variable's optimizer state from its shards' states (None for a shard with no
     state yet): row-wise entries are concatenated along dimension 0, others (the step
     count) are taken from the shards that have state, the largest when they differ (a
@@ -65,10 +69,10 @@ def join_shard_states(layout, parts):
     if all(part is None for part in parts):
         return None
     if not layout.sharded:
-        return dict(parts[0])
+        return dict(parts[0] or {})  # one part, not None (checked above)
     row_shape = tuple(layout.shape[1:])
     present = [part for part in parts if part is not None]
-    out = {}
+    out: dict[str, Any] = {}
     for name in present[0]:
         values = [None if part is None else part.get(name) for part in parts]
         known = [v for v in values if v is not None]
@@ -86,13 +90,13 @@ def join_shard_states(layout, parts):
     return out
 
 
-def split_state(layout, state):
+def split_state(layout: remote.Layout, state: dict[str, Any]) -> list[dict[str, Any]]:
     """One variable's optimizer state cut into its shards' states (row-wise entries split
     along dimension 0, others copied to every shard)."""
     if not layout.sharded:
         return [state]
     row_shape = tuple(layout.shape[1:])
-    parts = [{} for _ in layout.shards]
+    parts: list[dict[str, Any]] = [{} for _ in layout.shards]
     for name, value in state.items():
         if _row_wise(value, layout.shape[0], row_shape):
             pieces = remote.split_rows(layout, value)
@@ -113,7 +117,8 @@ class RemoteOptimizer:
       layouts: per parameter group, the `remote.Layout` of each parameter, in order.
     """
 
-    def __init__(self, optimizer, key, layouts):
+    def __init__(self, optimizer: torch.optim.Optimizer, key: str,
+                 layouts: Sequence[Sequence[remote.Layout]]) -> None:
         # Weak: the strategy finds this object through the optimizer (a weak-keyed table),
         # so the optimizer's life is the user's to decide.
         self._optimizer_ref = weakref.ref(optimizer)
@@ -134,13 +139,13 @@ class RemoteOptimizer:
                                "longer exists.")
         return optimizer
 
-    def create(self):
+    def create(self) -> None:
         """Builds the optimizer's copies on the servers (starting from the user's
         optimizer's state, when it has any, e.g. after ``load_state_dict``) and hooks
         ``state_dict``/``load_state_dict`` of the user's optimizer."""
-        per_ps = {}
+        per_ps: dict[str, list[tuple[int, list[str], dict[str, Any]]]] = {}
         for index, (layouts, hyper) in enumerate(zip(self._layouts, self._sent)):
-            keys_by_ps = {}
+            keys_by_ps: dict[str, list[str]] = {}
             for layout in layouts:
                 for shard in layout.shards:
                     keys_by_ps.setdefault(shard.ps, []).append(shard.key)
@@ -154,7 +159,7 @@ class RemoteOptimizer:
         self._optimizer.register_state_dict_pre_hook(_StateHook(self.pull_state))
         self._optimizer.register_load_state_dict_post_hook(_StateHook(self.push_state))
 
-    def reference(self):
+    def reference(self) -> tuple[Any, ...]:
         """What a scheduled closure carries for this optimizer: its layouts and the current
         settings with their version. Costs one comparison of the (small) settings."""
         # A scheduled step stands in for optimizer.step() on the chief: say so to torch's
@@ -167,13 +172,13 @@ class RemoteOptimizer:
                 self._version += 1
             return ("optimizer", self._key, self._layouts, self._version, self._sent)
 
-    def pull_state(self, optimizer=None):
+    def pull_state(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Fetches the servers' state into the user's optimizer (``optimizer.state``)."""
-        keys_by_ps = {}
+        keys_by_ps: dict[str, list[str]] = {}
         for layout in self._flat_layouts:
             for shard in layout.shards:
                 keys_by_ps.setdefault(shard.ps, []).append(shard.key)
-        shard_states = {}
+        shard_states: dict[str, dict[str, Any]] = {}
         for states in remote.wait([remote.call_async(ps, ps_store.optimizer_state,
                                                      (self._key, keys))
                                    for ps, keys in keys_by_ps.items()]):
@@ -185,9 +190,9 @@ class RemoteOptimizer:
             else:
                 self._optimizer.state[param] = state
 
-    def push_state(self, optimizer=None):
+    def push_state(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Replaces the servers' state by the user's optimizer's (``optimizer.state``)."""
-        states = {ps: {} for ps in self._servers}
+        states: dict[str, dict[str, Any]] = {ps: {} for ps in self._servers}
         for param, layout in zip(self._params, self._flat_layouts):
             state = self._optimizer.state.get(param)
             if state:
@@ -201,19 +206,19 @@ class _StateHook:
     """An optimizer hook that is dropped when the optimizer is pickled (it talks to the
     parameter servers from the chief only)."""
 
-    def __init__(self, fn):
+    def __init__(self, fn: Callable[[torch.optim.Optimizer], None]) -> None:
         self._fn = fn
 
-    def __call__(self, optimizer, *args):
+    def __call__(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
         self._fn(optimizer)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (_no_hook, ())
 
 
-def _noop(*args):
+def _noop(*args: Any) -> None:
     return None
 
 
-def _no_hook():
+def _no_hook() -> Callable[..., None]:
     return _noop

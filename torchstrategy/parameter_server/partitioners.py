@@ -6,21 +6,24 @@ dimension, all 1 except dimension 0, which holds the number of shards. Rows are 
 out as ``torch.tensor_split`` / TensorFlow do: the first ``rows % shards`` shards get one row
 more (13 rows over 5 shards: 3, 3, 3, 2, 2).
 """
+from __future__ import annotations
+
 import math
+from typing import Callable, Sequence
 
 import torch
 
 
-def _bytes_per_row(shape, dtype):
+def _bytes_per_row(shape: Sequence[int], dtype: torch.dtype) -> int:
     element = torch.empty((), dtype=dtype).element_size()
     return element * (math.prod(shape[1:]) if len(shape) > 1 else 1)
 
 
-def _result(shape, shards):
+def _result(shape: Sequence[int], shards: int) -> list[int]:
     return [max(1, shards)] + [1] * (len(shape) - 1)
 
 
-def shard_rows(rows, shards):
+def shard_rows(rows: int, shards: int) -> list[int]:
     """The number of rows of each shard: ``[3, 3, 3, 2, 2]`` for 13 rows over 5 shards."""
     base, extra = divmod(rows, shards)
     return [base + 1 if i < extra else base for i in range(shards)]
@@ -29,7 +32,7 @@ def shard_rows(rows, shards):
 class Partitioner:
     """Base class: ``partitioner(shape, dtype)`` returns the partitions per dimension."""
 
-    def __call__(self, shape, dtype):
+    def __call__(self, shape: Sequence[int], dtype: torch.dtype) -> list[int]:
         raise NotImplementedError("abstract: FixedShardsPartitioner, MinSizePartitioner, "
                                   "MaxSizePartitioner implement __call__")
 
@@ -40,12 +43,12 @@ class FixedShardsPartitioner(Partitioner):
     ``FixedShardsPartitioner(num_shards=5)((13, 4), torch.float32) == [5, 1]``.
     """
 
-    def __init__(self, num_shards):
+    def __init__(self, num_shards: int) -> None:
         if not isinstance(num_shards, int) or num_shards < 1:
             raise ValueError(f"num_shards must be a positive int, got {num_shards!r}.")
         self._num_shards = num_shards
 
-    def __call__(self, shape, dtype):
+    def __call__(self, shape: Sequence[int], dtype: torch.dtype) -> list[int]:
         shape = tuple(shape)
         if not shape:
             return []
@@ -61,7 +64,8 @@ class MinSizePartitioner(Partitioner):
       bytes_per_string: ignored (TensorFlow's argument for string variables).
     """
 
-    def __init__(self, min_shard_bytes=256 << 10, max_shards=1, bytes_per_string=16):
+    def __init__(self, min_shard_bytes: int = 256 << 10, max_shards: int = 1,
+                 bytes_per_string: int = 16) -> None:
         if min_shard_bytes < 1:
             raise ValueError(f"min_shard_bytes must be positive, got {min_shard_bytes}.")
         if max_shards < 1:
@@ -70,7 +74,7 @@ class MinSizePartitioner(Partitioner):
         self._max_shards = max_shards
         self._bytes_per_string = bytes_per_string
 
-    def __call__(self, shape, dtype):
+    def __call__(self, shape: Sequence[int], dtype: torch.dtype) -> list[int]:
         shape = tuple(shape)
         if not shape:
             return []
@@ -90,7 +94,8 @@ class MaxSizePartitioner(Partitioner):
       bytes_per_string: ignored (TensorFlow's argument for string variables).
     """
 
-    def __init__(self, max_shard_bytes, max_shards=None, bytes_per_string=16):
+    def __init__(self, max_shard_bytes: int, max_shards: int | None = None,
+                 bytes_per_string: int = 16) -> None:
         if max_shard_bytes < 1:
             raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}.")
         if max_shards is not None and max_shards < 1:
@@ -99,7 +104,7 @@ class MaxSizePartitioner(Partitioner):
         self._max_shards = max_shards
         self._bytes_per_string = bytes_per_string
 
-    def __call__(self, shape, dtype):
+    def __call__(self, shape: Sequence[int], dtype: torch.dtype) -> list[int]:
         shape = tuple(shape)
         if not shape:
             return []
@@ -111,7 +116,8 @@ class MaxSizePartitioner(Partitioner):
         return _result(shape, int(min(shards, shape[0])))
 
 
-def num_shards_for(partitioner, shape, dtype):
+def num_shards_for(partitioner: Callable[[torch.Size, torch.dtype], Sequence[int]] | None,
+                   shape: Sequence[int], dtype: torch.dtype) -> int:
     """Calls `partitioner` and checks its answer; returns the number of shards (>= 1)."""
     shape = tuple(shape)
     if partitioner is None or len(shape) == 0 or shape[0] < 2:

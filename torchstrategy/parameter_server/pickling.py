@@ -13,14 +13,20 @@
 
 Anything else is pickled normally; what cannot be pickled is reported at schedule time.
 """
+from __future__ import annotations
+
 import io
 import pickle
 import types
+from typing import Any, Callable, Mapping
 
 from torchstrategy import runtime
 
+# Returns the reference tuple of an object that travels by reference, or None.
+Resolve = Callable[[Any], "tuple[Any, ...] | None"]
 
-def _is_main_object(obj):
+
+def _is_main_object(obj: object) -> bool:
     return isinstance(obj, (types.FunctionType, type)) and \
         getattr(obj, "__module__", None) == "__main__"
 
@@ -60,7 +66,7 @@ def _make_by_value_pickler():
     return ByValuePickler
 
 
-def _dumps_by_value(obj, resolve):
+def _dumps_by_value(obj: object, resolve: Resolve) -> tuple[bytes, list[tuple[Any, ...]]]:
     """cloudpickle for one object of ``__main__`` (with its globals), keeping references."""
     pickler_class = runtime.current().state("parameter_server.pickling",
                                             _make_by_value_pickler)
@@ -72,7 +78,7 @@ def _dumps_by_value(obj, resolve):
     return buffer.getvalue(), pickler.references
 
 
-def dumps(obj, resolve):
+def dumps(obj: object, resolve: Resolve) -> tuple[bytes, list[tuple[Any, ...]]]:
     """Pickles `obj`; ``resolve(x)`` returns a reference tuple for objects that travel by
     reference (or None). Returns ``(bytes, references)``.
 
@@ -96,7 +102,8 @@ def dumps(obj, resolve):
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file, load_reference, class_map):
+    def __init__(self, file: io.BytesIO, load_reference: Callable[[Any], Any],
+                 class_map: Mapping[tuple[str, str], type] | None) -> None:
         super().__init__(file)
         self._load_reference = load_reference
         self._class_map = class_map or {}
@@ -112,7 +119,8 @@ class _Unpickler(pickle.Unpickler):
         return replacement if replacement is not None else super().find_class(module, name)
 
 
-def loads(data, load_reference, class_map=None):
+def loads(data: bytes, load_reference: Callable[[Any], Any],
+          class_map: Mapping[tuple[str, str], type] | None = None) -> Any:
     """Unpickles what `dumps` made; ``load_reference(ref)`` turns references into objects;
     `class_map` maps ``(module, name)`` of a class to the class to build instead."""
     return _Unpickler(io.BytesIO(data), load_reference, class_map).load()

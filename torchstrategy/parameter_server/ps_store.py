@@ -5,7 +5,10 @@ Every function here is an rpc target run in the parameter-server process. Update
 applied one at a time under a lock, as they arrive (asynchronous training: no waiting for
 the other workers); reads return a consistent copy.
 """
+from __future__ import annotations
+
 import threading
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -15,20 +18,25 @@ from torchstrategy import runtime
 class _Store:
     """What this parameter-server process holds (``runtime.current().state``)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.variables = {}       # key -> tensor (an nn.Parameter when trainable)
-        self.optimizers = {}      # optimizer key -> torch optimizer over this server's variables
-        self.rows_served = {}     # key -> number of rows sent by read_rows (checking lookups)
-        self.group_indices = {}   # optimizer key -> index in the user's optimizer of each group
-        self.hyper_versions = {}  # optimizer key -> version of the group settings in use
+        # key -> tensor (an nn.Parameter when trainable)
+        self.variables: dict[str, torch.Tensor] = {}
+        # optimizer key -> torch optimizer over this server's variables
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        # key -> number of rows sent by read_rows (checking lookups)
+        self.rows_served: dict[str, int] = {}
+        # optimizer key -> index in the user's optimizer of each group
+        self.group_indices: dict[str, list[int]] = {}
+        # optimizer key -> version of the group settings in use
+        self.hyper_versions: dict[str, int] = {}
 
 
-def _store():
+def _store() -> _Store:
     return runtime.current().state("parameter_server.ps_store", _Store)
 
 
-def create(key, value, trainable):
+def create(key: str, value: torch.Tensor, trainable: bool) -> bool:
     """Stores `value` under `key` (replacing any previous value)."""
     st = _store()
     value = value.detach().clone()
@@ -37,14 +45,14 @@ def create(key, value, trainable):
     return True
 
 
-def read(keys):
+def read(keys: Iterable[str]) -> list[torch.Tensor]:
     """The current values of `keys`, copied."""
     st = _store()
     with st.lock:
         return [_get(st, key).detach().clone() for key in keys]
 
 
-def read_rows(key, rows):
+def read_rows(key: str, rows: torch.Tensor) -> torch.Tensor:
     """Rows `rows` (a LongTensor of local row indices) of variable `key`: only those rows
     are copied and sent."""
     st = _store()
@@ -54,14 +62,15 @@ def read_rows(key, rows):
         return value.index_select(0, rows)
 
 
-def rows_served(key):
+def rows_served(key: str) -> int:
     """How many rows `read_rows` has sent for `key` so far."""
     st = _store()
     with st.lock:
         return st.rows_served.get(key, 0)
 
 
-def assign(key, value):
+def assign(key: str, value: torch.Tensor) -> bool:
+    """Sets variable `key` to `value` (copied in place)."""
     st = _store()
     with st.lock:
         target = _get(st, key)
@@ -70,7 +79,7 @@ def assign(key, value):
         return True
 
 
-def assign_add(key, delta):
+def assign_add(key: str, delta: torch.Tensor) -> torch.Tensor:
     """Adds `delta` atomically and returns the new value."""
     st = _store()
     with st.lock:
@@ -80,7 +89,9 @@ def assign_add(key, delta):
         return target.detach().clone()
 
 
-def create_optimizer(optimizer_key, optimizer_class, groups):
+def create_optimizer(optimizer_key: str,
+                     optimizer_class: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
+                     groups: Sequence[tuple[int, Sequence[str], Mapping[str, Any]]]) -> bool:
     """Builds ``optimizer_class`` over this server's variables.
 
     Args:
@@ -101,7 +112,8 @@ def create_optimizer(optimizer_key, optimizer_class, groups):
         return True
 
 
-def _use_hyperparameters(st, optimizer_key, optimizer, version, hyperparameters):
+def _use_hyperparameters(st: _Store, optimizer_key: str, optimizer: torch.optim.Optimizer,
+                         version: int, hyperparameters: Sequence[Mapping[str, Any]]) -> None:
     # Each push carries the settings in effect when its closure was scheduled (the chief
     # bumps `version` when they change); comparing one int keeps the usual push cheap.
     if version == st.hyper_versions[optimizer_key]:
@@ -111,7 +123,10 @@ def _use_hyperparameters(st, optimizer_key, optimizer, version, hyperparameters)
     st.hyper_versions[optimizer_key] = version
 
 
-def apply_gradients(optimizer_key, dense, sparse, version=0, hyperparameters=None):
+def apply_gradients(optimizer_key: str, dense: Mapping[str, torch.Tensor],
+                    sparse: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+                    version: int = 0,
+                    hyperparameters: Sequence[Mapping[str, Any]] | None = None) -> bool:
     """Applies one worker's gradients with the optimizer's ``step()``.
 
     Args:
@@ -129,7 +144,7 @@ def apply_gradients(optimizer_key, dense, sparse, version=0, hyperparameters=Non
         optimizer = st.optimizers[optimizer_key]
         if hyperparameters is not None:
             _use_hyperparameters(st, optimizer_key, optimizer, version, hyperparameters)
-        touched = []
+        touched: list[torch.Tensor] = []
         for key, grad in dense.items():
             param = _get(st, key)
             param.grad = grad.to(param.dtype).view_as(param)
@@ -146,13 +161,13 @@ def apply_gradients(optimizer_key, dense, sparse, version=0, hyperparameters=Non
     return True
 
 
-def optimizer_state(optimizer_key, keys):
+def optimizer_state(optimizer_key: str, keys: Iterable[str]) -> dict[str, dict[str, Any]]:
     """The optimizer's per-variable state (exp_avg, momentum_buffer, step, ...) of `keys`,
     copied: ``{key: {name: value}}``, leaving out variables with no state yet."""
     st = _store()
     with st.lock:
         state = st.optimizers[optimizer_key].state
-        out = {}
+        out: dict[str, dict[str, Any]] = {}
         for key in keys:
             entry = state.get(_get(st, key))
             if entry:
@@ -161,7 +176,7 @@ def optimizer_state(optimizer_key, keys):
         return out
 
 
-def load_optimizer_state(optimizer_key, states):
+def load_optimizer_state(optimizer_key: str, states: Mapping[str, Mapping[str, Any]]) -> bool:
     """Replaces the optimizer's whole state on this server by `states` (``{key: {name:
     value}}``); variables not in `states` start with no state, as after
     ``Optimizer.load_state_dict``."""
@@ -176,13 +191,14 @@ def load_optimizer_state(optimizer_key, states):
     return True
 
 
-def keys():
+def keys() -> list[str]:
+    """The keys of the variables this server holds, sorted."""
     st = _store()
     with st.lock:
         return sorted(st.variables)
 
 
-def _get(st, key):
+def _get(st: _Store, key: str) -> torch.Tensor:
     """Variable `key` of the store `st` (the caller looked `st` up once per rpc)."""
     try:
         return st.variables[key]

@@ -17,6 +17,8 @@ Trust model: cluster members trust each other. Rpc messages carry pickled Python
 any process that can reach a member's port can run code there. Run a cluster only on a
 network you control (the addresses in the spec), as with TensorFlow's servers.
 """
+from __future__ import annotations
+
 import datetime
 import fcntl
 import ipaddress
@@ -26,12 +28,13 @@ import socket
 import struct
 import threading
 import time
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from torchstrategy import _compat, runtime
-from torchstrategy.cluster_resolver.cluster_spec import parse_address
+from torchstrategy.cluster_resolver.cluster_spec import ClusterSpec, parse_address
 
 JOBS = ("chief", "worker", "ps")
 DEFAULT_RPC_TIMEOUT_SECONDS = 60.0
@@ -49,12 +52,12 @@ _MEMBERSHIP_TOKEN = "RpcGroupManagementToken"
 logger = logging.getLogger("torchstrategy")
 
 
-def task_name(job, index):
+def task_name(job: str, index: int) -> str:
     """The rpc name of a task: ``"worker:1"``."""
     return f"{job}:{index}"
 
 
-def store_task(spec):
+def store_task(spec: ClusterSpec) -> tuple[str, int]:
     """``(job, index)`` of the task that hosts the rendezvous store: the chief, else worker 0."""
     if "chief" in spec.jobs and spec.num_tasks("chief"):
         return "chief", spec.task_indices("chief")[0]
@@ -64,7 +67,7 @@ def store_task(spec):
                      f"rendezvous: {spec!r}.")
 
 
-def check_cluster(spec):
+def check_cluster(spec: ClusterSpec) -> None:
     """Raises ValueError naming the fix when `spec` cannot run parameter-server training."""
     for job in spec.jobs:
         if job not in JOBS + ("evaluator",):
@@ -79,7 +82,7 @@ def check_cluster(spec):
 
 # -- network interfaces ------------------------------------------------------------------
 
-def _interface_ipv4(name):
+def _interface_ipv4(name: str) -> str | None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         packed = fcntl.ioctl(sock.fileno(), 0x8915,  # SIOCGIFADDR
@@ -91,7 +94,12 @@ def _interface_ipv4(name):
         sock.close()
 
 
-def resolve_ipv4(host):
+def resolve_ipv4(host: str) -> str:
+    """`host` (an IPv4 literal or a host name) as an IPv4 address.
+
+    Raises:
+      ValueError: a name that does not resolve.
+    """
     try:
         return str(ipaddress.IPv4Address(host))
     except ValueError:  # not a literal IPv4 address: a host name, resolved below
@@ -102,7 +110,7 @@ def resolve_ipv4(host):
         raise ValueError(f"Cannot resolve host {host!r} from the cluster spec: {err}.") from None
 
 
-def interface_for(host):
+def interface_for(host: str) -> str:
     """The name of the local network interface whose IPv4 address is `host`'s.
 
     Raises:
@@ -123,7 +131,7 @@ def interface_for(host):
 
 # -- rendezvous --------------------------------------------------------------------------
 
-def _bound_listen_fd(host, port):
+def _bound_listen_fd(host: str, port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -136,7 +144,7 @@ def _bound_listen_fd(host, port):
     return sock
 
 
-def make_store(spec, is_host, timeout_seconds):
+def make_store(spec: ClusterSpec, is_host: bool, timeout_seconds: float) -> dist.TCPStore:
     """The rendezvous TCPStore: hosted on exactly the store task's spec address when
     `is_host`, otherwise a client of it (waiting up to `timeout_seconds` for it to appear)."""
     host, port = parse_address(spec.task_address(*store_task(spec)))
@@ -165,29 +173,33 @@ class _RpcWorldState:
     store host, `member_joined`) or is dropped, so waits for members block on it.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.membership = None
-        self.pending_store = None     # (store, rank) handed to the rendezvous handler
+        self.membership: Membership | None = None
+        # (store, rank) handed to the rendezvous handler
+        self.pending_store: tuple[dist.Store, int] | None = None
         self.members_changed = threading.Condition()
 
 
-def _state():
+def _state() -> _RpcWorldState:
     return runtime.current().state("parameter_server.rpc_world", _RpcWorldState)
 
 
-def _rendezvous_handler(url, **kwargs):
+def _rendezvous_handler(url: str, **kwargs: Any) -> Iterator[tuple[dist.Store, int, None]]:
     state = _state()
+    if state.pending_store is None:
+        raise RuntimeError("torchstrategy's parameter-server rendezvous was used outside "
+                           "rpc_world.join.")
     store, rank = state.pending_store
     state.pending_store = None
     yield store, rank, None  # dynamic group: no world size
 
 
-def _install_rendezvous_handler():
+def _install_rendezvous_handler() -> None:
     dist.register_rendezvous_handler(_RENDEZVOUS_SCHEME, _rendezvous_handler)
 
 
-def live_members():
+def live_members() -> dict[str, int]:
     """``{name: rank}`` of the members this process's rpc agent currently knows."""
     agent = _compat.current_rpc_agent()
     return {info.name: info.id for info in agent.get_worker_infos()}
@@ -196,7 +208,8 @@ def live_members():
 class Membership:
     """This process's place in the rpc world (one per process)."""
 
-    def __init__(self, spec, job, index, store, rpc_timeout):
+    def __init__(self, spec: ClusterSpec, job: str, index: int, store: dist.Store,
+                 rpc_timeout: float) -> None:
         self.spec = spec
         self.job = job
         self.index = index
@@ -204,23 +217,23 @@ class Membership:
         self.store = store
         self.rpc_store = dist.PrefixStore(_RPC_PREFIX, store)
         self.rpc_timeout = rpc_timeout
-        self._leave_callbacks = []
+        self._leave_callbacks: list[Callable[[], Any]] = []
 
-    def on_leave(self, callback):
+    def on_leave(self, callback: Callable[[], Any]) -> None:
         """Calls `callback()` once this process has left the rpc world (`leave`)."""
         self._leave_callbacks.append(callback)
 
-    def run_leave_callbacks(self):
+    def run_leave_callbacks(self) -> None:
         """Called by `leave`; each callback runs once."""
         callbacks, self._leave_callbacks = self._leave_callbacks, []
         for callback in callbacks:
             callback()
 
-    def live_members(self):
+    def live_members(self) -> dict[str, int]:
         """``{name: rank}`` of the members the local rpc agent currently knows."""
         return live_members()
 
-    def wait_for_members(self, names, timeout):
+    def wait_for_members(self, names: Iterable[str], timeout: float) -> set[str]:
         """Blocks until every name in `names` is a live member, or until `timeout` seconds
         passed; returns the names still missing (empty when all joined)."""
         condition = _state().members_changed
@@ -235,7 +248,7 @@ class Membership:
                 # was lost (it joined while this process was still starting its agent).
                 condition.wait(min(remaining, 1.0))
 
-    def drop(self, name, rank):
+    def drop(self, name: str, rank: int) -> None:
         """Removes a dead member from the group: from the store (so that processes joining
         later do not wait for it) and from this process's agent. Other members drop it when
         they hear about it (`drop_local`)."""
@@ -244,7 +257,7 @@ class Membership:
         drop_local(name, rank)
 
 
-def member_joined(name):
+def member_joined(name: str) -> bool:
     """Rpc target on the store host: the member `name` has just joined the rpc world."""
     condition = _state().members_changed
     with condition:
@@ -252,7 +265,7 @@ def member_joined(name):
     return True
 
 
-def drop_local(name, rank):
+def drop_local(name: str, rank: int) -> bool:
     """Forgets a dead member in this process's rpc agent (a no-op if already forgotten)."""
     if live_members().get(name) != rank:
         return False
@@ -263,7 +276,9 @@ def drop_local(name, rank):
     return True
 
 
-def call_each(names, fn, args, timeout):
+def call_each(names: Iterable[str], fn: Callable[..., Any],
+              args: Sequence[Any] | Callable[[str], Sequence[Any]],
+              timeout: float) -> dict[str, BaseException]:
     """Runs ``fn(*args)`` on every member in `names` at once and waits for all of them,
     each call bounded by `timeout` seconds, so dead or silent members cannot hang the
     caller nor keep the others from being called.
@@ -277,7 +292,8 @@ def call_each(names, fn, args, timeout):
       (the RuntimeError of sending), or a call that failed or timed out (whatever waiting
       raised, the callee's own error included). Empty when every call succeeded.
     """
-    futures, errors = {}, {}
+    futures: dict[str, Any] = {}
+    errors: dict[str, BaseException] = {}
     for name in names:
         try:
             futures[name] = rpc.rpc_async(name, fn, args=args(name) if callable(args) else args,
@@ -292,7 +308,7 @@ def call_each(names, fn, args, timeout):
     return errors
 
 
-def _with_membership_token(store, label, fn):
+def _with_membership_token(store: dist.Store, label: str, fn: Callable[[], Any]) -> Any:
     token = f"Token_for_{label}"
     deadline = time.monotonic() + 60
     while True:
@@ -314,7 +330,7 @@ def _with_membership_token(store, label, fn):
             continue
 
 
-def _remove_name(store, name, rank):
+def _remove_name(store: dist.Store, name: str, rank: int) -> None:
     entry = f"{name}-{rank},"
     if not store.check([_ALL_WORKER_INFOS]):
         return
@@ -323,13 +339,14 @@ def _remove_name(store, name, rank):
         store.set(_ALL_WORKER_INFOS, infos.replace(entry, ""))
 
 
-def current():
+def current() -> Membership | None:
     """This process's `Membership`, or None when it is not in a cluster."""
     return _state().membership
 
 
-def join(spec, job, index, rpc_timeout=DEFAULT_RPC_TIMEOUT_SECONDS,
-         startup_timeout=DEFAULT_STARTUP_TIMEOUT_SECONDS):
+def join(spec: ClusterSpec, job: str, index: int,
+         rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SECONDS,
+         startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_SECONDS) -> Membership:
     """Joins the cluster's rpc world as task ``job:index`` and returns its `Membership`.
 
     Idempotent for the same task in one process. The task's own spec address selects the
@@ -378,7 +395,7 @@ def join(spec, job, index, rpc_timeout=DEFAULT_RPC_TIMEOUT_SECONDS,
     return state.membership
 
 
-def leave():
+def leave() -> None:
     """Leaves the rpc world without waiting for the others (dead peers cannot hang it).
 
     Bounded: if TensorPipe does not finish shutting down within a few seconds the agent is
@@ -390,7 +407,7 @@ def leave():
             return
         done = threading.Event()
 
-        def shutdown():
+        def shutdown() -> None:
             try:
                 rpc.shutdown(graceful=False)
             except RuntimeError as error:

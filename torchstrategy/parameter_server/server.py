@@ -13,18 +13,22 @@ or from Python: ``ts.Server(resolver).join()``.
 A server ends when the chief asks it to (when the chief's program ends), or when it loses
 the chief (the chief died: restart the cluster, and the chief restores from its checkpoint).
 """
+from __future__ import annotations
+
 import argparse
 import json
 import logging
 import os
 import threading
 import time
+from typing import Sequence
 
 import torch
 import torch.distributed.rpc as rpc
 
 from torchstrategy import runtime
-from torchstrategy.cluster_resolver import SimpleClusterResolver, TFConfigClusterResolver
+from torchstrategy.cluster_resolver import (ClusterResolver, SimpleClusterResolver,
+                                            TFConfigClusterResolver)
 from torchstrategy.parameter_server import rpc_world
 
 logger = logging.getLogger("torchstrategy")
@@ -39,21 +43,21 @@ _STOP_REQUEST_TIMEOUT_SECONDS = 5
 class _ServerState:
     """Whether the chief asked this server process to stop (``runtime.current().state``)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.stop_requested = threading.Event()
 
 
-def _state():
+def _state() -> _ServerState:
     return runtime.current().state("parameter_server.server", _ServerState)
 
 
-def request_stop():
+def request_stop() -> bool:
     """Rpc target: the chief asks this server to end."""
     _state().stop_requested.set()
     return True
 
 
-def ping():
+def ping() -> int:
     """Rpc target: liveness check."""
     return os.getpid()
 
@@ -73,37 +77,38 @@ class Server:
         machine does not have.
     """
 
-    def __init__(self, cluster_resolver, start=True,
-                 rpc_timeout=rpc_world.DEFAULT_RPC_TIMEOUT_SECONDS,
-                 startup_timeout=rpc_world.DEFAULT_STARTUP_TIMEOUT_SECONDS):
+    def __init__(self, cluster_resolver: ClusterResolver, start: bool = True,
+                 rpc_timeout: float = rpc_world.DEFAULT_RPC_TIMEOUT_SECONDS,
+                 startup_timeout: float = rpc_world.DEFAULT_STARTUP_TIMEOUT_SECONDS) -> None:
         self._resolver = cluster_resolver
-        self.task_type = cluster_resolver.task_type
-        self.task_id = cluster_resolver.task_id
-        if self.task_type not in ("worker", "ps") or self.task_id is None:
+        task_type, task_id = cluster_resolver.task_type, cluster_resolver.task_id
+        if task_type not in ("worker", "ps") or task_type is None or task_id is None:
             raise ValueError(f"A Server is a 'worker' or 'ps' task; the resolver says "
-                             f"task_type={self.task_type!r}, task_id={self.task_id!r}. Set "
+                             f"task_type={task_type!r}, task_id={task_id!r}. Set "
                              f"TF_CONFIG's task (or the resolver's task_type/task_id).")
+        self.task_type: str = task_type
+        self.task_id: int = task_id
         self._spec = cluster_resolver.cluster_spec()
         rpc_world.check_cluster(self._spec)
         self._spec.task_address(self.task_type, self.task_id)
         self._rpc_timeout = rpc_timeout
         self._startup_timeout = startup_timeout
-        self._membership = None
+        self._membership: rpc_world.Membership | None = None
         if start:
             self.start()
 
     @property
-    def target(self):
+    def target(self) -> str:
         """This task's rpc name, e.g. ``"worker:1"``."""
         return rpc_world.task_name(self.task_type, self.task_id)
 
-    def start(self):
+    def start(self) -> None:
         """Joins the cluster (waits for the chief's rendezvous)."""
         if self._membership is None:
             self._membership = rpc_world.join(self._spec, self.task_type, self.task_id,
                                               self._rpc_timeout, self._startup_timeout)
 
-    def join(self):
+    def join(self) -> bool:
         """Serves until the chief asks this server to stop or the chief is gone, then
         leaves the rpc world. Returns True when stopped by the chief, False when it lost
         the chief."""
@@ -126,7 +131,7 @@ class Server:
         return stopped
 
 
-def shutdown_cluster(membership):
+def shutdown_cluster(membership: rpc_world.Membership) -> None:
     """Ends this chief's part in the cluster of `membership`: asks every server to stop,
     then leaves the rpc world (nothing when this process already left it). Bounded: dead
     servers cannot hang it."""
@@ -140,7 +145,9 @@ def shutdown_cluster(membership):
     rpc_world.leave()
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m torchstrategy.server``: runs one task until the chief stops it, then
+    ends the process (exit code 0; 3 when it lost the chief)."""
     parser = argparse.ArgumentParser(
         prog="python -m torchstrategy.server",
         description="Run one worker or ps task of a parameter-server cluster. Without flags "
@@ -152,6 +159,7 @@ def main(argv=None):
     parser.add_argument("--startup_timeout", type=float,
                         default=rpc_world.DEFAULT_STARTUP_TIMEOUT_SECONDS)
     args = parser.parse_args(argv)
+    resolver: ClusterResolver
     if args.cluster_spec:
         if args.task_type is None or args.task_id is None:
             parser.error("--cluster_spec needs --task_type and --task_id")

@@ -7,6 +7,10 @@ update it there (``assign_add`` is atomic on each server, so concurrent closures
 with it). Pickled into a scheduled function they stay handles, so a closure running on a
 worker reads and updates the same variable.
 """
+from __future__ import annotations
+
+from typing import Any
+
 import torch
 
 from torchstrategy.parameter_server import ps_store, remote
@@ -16,14 +20,19 @@ from torchstrategy.variables import Variable, VariableAggregation, VariableSynch
 class PSVariable(Variable):
     """A variable held by one parameter server (see the module docstring)."""
 
-    def __init__(self, *args, **kwargs):
+    _layout: remote.Layout   # set by `_from_layout`
+
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         # Made by the strategy (`_from_layout`); Variable.__new__ calls __init__ again with
         # the user's arguments, which must change nothing.
         pass
 
     @classmethod
-    def _from_layout(cls, layout, name, aggregation=VariableAggregation.NONE,
-                     synchronization=VariableSynchronization.AUTO):
+    def _from_layout(cls, layout: remote.Layout, name: str,
+                     aggregation: VariableAggregation = VariableAggregation.NONE,
+                     synchronization: VariableSynchronization = VariableSynchronization.AUTO
+                     ) -> PSVariable:
         self = object.__new__(cls)
         self._layout = layout
         self._name = name
@@ -33,61 +42,61 @@ class PSVariable(Variable):
         self._strategy = None
         return self
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self)._from_layout,
                 (self._layout, self._name, self._aggregation, self._synchronization))
 
     @property
-    def layout(self):
+    def layout(self) -> remote.Layout:
         """Where the variable lives: a `remote.Layout` (its shards and their servers)."""
         return self._layout
 
     # -- reading ---------------------------------------------------------------------------
     @property
-    def tensor(self):
+    def tensor(self) -> torch.Tensor:
         return self.read_value()
 
-    def read_value(self):
+    def read_value(self) -> torch.Tensor:
         """The current value, fetched from the parameter server."""
         return remote.read_full([self._layout])[0]
 
     @property
-    def dtype(self):
+    def dtype(self) -> torch.dtype:
         return self._layout.dtype
 
     @property
-    def shape(self):
+    def shape(self) -> torch.Size:
         return torch.Size(self._layout.shape)
 
     @property
-    def device(self):
+    def device(self) -> torch.device:
         return torch.device("cpu")
 
     @property
-    def ps(self):
+    def ps(self) -> str:
         """The rpc name of the parameter server holding this variable (e.g. "ps:0")."""
         return self._layout.shards[0].ps
 
     # -- writing ---------------------------------------------------------------------------
-    def assign(self, value):
+    def assign(self, value: Any) -> PSVariable:
         """Sets the value on the parameter server; returns self."""
         remote.write_full(self._layout, value)
         return self
 
-    def assign_add(self, delta):
+    def assign_add(self, delta: Any) -> PSVariable:
         """Adds `delta` on the parameter server (atomically); returns self."""
         delta = torch.as_tensor(delta, dtype=self._layout.dtype)
         shard = self._layout.shards[0]
         remote.call(shard.ps, ps_store.assign_add, (shard.key, delta))
         return self
 
-    def assign_sub(self, delta):
+    def assign_sub(self, delta: Any) -> PSVariable:
         return self.assign_add(-torch.as_tensor(delta, dtype=self._layout.dtype))
 
-    def _ts_checkpoint_value(self):
+    def _ts_checkpoint_value(self) -> torch.Tensor:
         return self.read_value()
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"PSVariable(name={self._name!r}, shape={list(self.shape)}, ps={self.ps!r}, "
                 f"value={self.read_value()!r})")
 
@@ -101,9 +110,9 @@ class ShardedVariable(PSVariable):
     """
 
     @property
-    def variables(self):
+    def variables(self) -> list[PSVariable]:
         """The shards, in row order, each a `PSVariable`."""
-        out = []
+        out: list[PSVariable] = []
         for i, shard in enumerate(self._layout.shards):
             shape = (shard.rows,) + tuple(self._layout.shape[1:])
             layout = remote.Layout(key=shard.key, shape=shape, dtype=self._layout.dtype,
@@ -114,26 +123,26 @@ class ShardedVariable(PSVariable):
         return out
 
     @property
-    def ps(self):
+    def ps(self) -> list[str]:  # type: ignore[override]  # several servers: one per shard
         return [s.ps for s in self._layout.shards]
 
-    def assign_add(self, delta):
+    def assign_add(self, delta: Any) -> ShardedVariable:
         delta = torch.as_tensor(delta, dtype=self._layout.dtype).expand(self._layout.shape)
         remote.wait([remote.call_async(s.ps, ps_store.assign_add, (s.key, part.contiguous()))
                      for s, part in zip(self._layout.shards,
                                         remote.split_rows(self._layout, delta))])
         return self
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self._layout.shards)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         rows = [s.rows for s in self._layout.shards]
         return (f"ShardedVariable(name={self._name!r}, shape={list(self.shape)}, "
                 f"shards={rows}, ps={self.ps})")
 
 
-def embedding_lookup(params, ids):
+def embedding_lookup(params: PSVariable, ids: Any) -> torch.Tensor:
     """Rows `ids` of an embedding table held by parameter servers (a `ShardedVariable` or
     `PSVariable`), shaped ``ids.shape + params.shape[1:]``.
 

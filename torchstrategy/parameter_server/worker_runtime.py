@@ -12,12 +12,14 @@ was scheduled; the parameter servers apply them with the real optimizer.
 The result goes back as a `ClosureResult` (the value, or the error with its kind and
 traceback), so the coordinator can tell a failing function from a failing worker.
 """
+from __future__ import annotations
+
 import dataclasses
 import functools
 import pickle
 import threading
 import traceback
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -43,25 +45,27 @@ class ClosureResult:
     trace: str = ""
 
     @property
-    def ok(self):
+    def ok(self) -> bool:
         return self.error is None
 
 
 class _WorkerState:
     """What this worker process keeps between closures (``runtime.current().state``)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.local_params = {}      # variable key -> worker-local tensor
-        self.per_worker = {}        # per-worker value key -> this worker's value
+        # variable key -> worker-local tensor
+        self.local_params: dict[str, torch.Tensor] = {}
+        # per-worker value key -> this worker's value
+        self.per_worker: dict[str, Any] = {}
         self.running = threading.local()   # .worker_index while a closure runs here
 
 
-def _state():
+def _state() -> _WorkerState:
     return runtime.current().state("parameter_server.worker_runtime", _WorkerState)
 
 
-def _local_param(st, layout):
+def _local_param(st: _WorkerState, layout: remote.Layout) -> torch.Tensor:
     """The worker-local tensor of `layout`'s variable (`st`: the `_WorkerState`)."""
     with st.lock:
         param = st.local_params.get(layout.key)
@@ -85,7 +89,9 @@ class WorkerOptimizer:
     local gradients as torch's does.
     """
 
-    def __init__(self, st, optimizer_key, groups, version, hyperparameters):
+    def __init__(self, st: _WorkerState, optimizer_key: str,
+                 groups: Sequence[Sequence[remote.Layout]], version: int,
+                 hyperparameters: Sequence[dict[str, Any]]) -> None:
         self._key = optimizer_key
         self._version = version
         self._hyperparameters = hyperparameters
@@ -94,23 +100,27 @@ class WorkerOptimizer:
                              for layouts, hyper in zip(groups, hyperparameters)]
         self._layouts = [l for layouts in groups for l in layouts]
 
-    def zero_grad(self, set_to_none=True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
         local_params = self._local_params
         for layout in self._layouts:
             param = local_params[layout.key]
-            param._ts_sparse_grads = []
+            setattr(param, "_ts_sparse_grads", [])  # ours, on the local tensor
             if param.grad is not None:
                 if set_to_none:
                     param.grad = None
                 else:
                     param.grad.zero_()
 
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Pushes the gradients to the parameter servers, which apply them; returns the
+        closure's loss (None without a closure)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        dense, sparse = {}, {}   # per ps: {key: grad}, {key: (rows, grads)}
+        # per ps: {key: grad}, {key: (rows, grads)}
+        dense: dict[str, dict[str, torch.Tensor]] = {}
+        sparse: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         local_params = self._local_params
         for layout in self._layouts:
             param = local_params[layout.key]
@@ -135,7 +145,7 @@ class WorkerOptimizer:
                      for ps in servers])
         return loss
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"WorkerOptimizer({self._key!r})"
 
 
@@ -167,7 +177,7 @@ class WorkerEmbedding(torch.nn.Embedding):
     servers, forward fetches only the rows looked up (and backward records their
     gradients); otherwise it is the plain embedding."""
 
-    def forward(self, input):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
         # Set on the tables that arrived as parameter-server references (`_load_reference`).
         layout = getattr(self.weight, "_ts_layout", None)
         if layout is None or not layout.embedding:
@@ -187,14 +197,15 @@ class WorkerEmbedding(torch.nn.Embedding):
 _CLASS_MAP = {("torch.nn.modules.sparse", "Embedding"): WorkerEmbedding}
 
 
-def _load_reference(st, used, ref):
+def _load_reference(st: _WorkerState, used: dict[str, remote.Layout], ref: tuple[Any, ...]
+                    ) -> Any:
     """The object reference `ref` stands for on this worker (`st`: the `_WorkerState`);
     the layouts of the variables it reads are added to `used` (key -> layout)."""
     kind = ref[0]
     if kind == "param":
         layout = ref[1]
         param = _local_param(st, layout)
-        param._ts_layout = layout
+        setattr(param, "_ts_layout", layout)  # read by WorkerEmbedding.forward
         used[layout.key] = layout
         return param
     if kind == "optimizer":
@@ -213,7 +224,7 @@ def _load_reference(st, used, ref):
     raise ValueError(f"Unknown reference kind {kind!r}.")
 
 
-def _pull(st, used):
+def _pull(st: _WorkerState, used: dict[str, remote.Layout]) -> None:
     local_params = st.local_params
     layouts = [l for l in used.values() if not l.embedding]
     if layouts:
@@ -223,17 +234,17 @@ def _pull(st, used):
                 local_params[layout.key].copy_(value)
     for layout in used.values():
         param = local_params[layout.key]
-        param._ts_sparse_grads = []
+        setattr(param, "_ts_sparse_grads", [])  # ours, on the local tensor
         param.grad = None
 
 
-def _detached(value):
-    def leaf(x):
+def _detached(value: Any) -> Any:
+    def leaf(x: Any) -> Any:
         return x.detach().cpu() if isinstance(x, torch.Tensor) else x
     return nest.map_structure(leaf, value)
 
 
-def _picklable(error):
+def _picklable(error: BaseException) -> BaseException:
     """`error`, or a RuntimeError with its text when the exception itself cannot travel."""
     try:
         pickle.dumps(error)
@@ -242,7 +253,7 @@ def _picklable(error):
     return error
 
 
-def current_worker_index():
+def current_worker_index() -> int:
     """The index of the worker running the scheduled function this is called from.
 
     Raises:
@@ -256,12 +267,13 @@ def current_worker_index():
     return index
 
 
-def run_closure(payload, worker_index=None):
+def run_closure(payload: bytes, worker_index: int | None = None) -> ClosureResult:
     """Rpc target on a worker: runs one scheduled function and returns its `ClosureResult`.
     Never raises: an error comes back with kind "ps" when a parameter server could not be
     reached, "user" otherwise. `worker_index` is what `current_worker_index` returns
     while the function runs."""
-    st, used = _state(), {}
+    st = _state()
+    used: dict[str, remote.Layout] = {}
     st.running.worker_index = worker_index
     try:
         fn, args, kwargs = pickling.loads(payload, functools.partial(_load_reference, st, used),
@@ -278,7 +290,8 @@ def run_closure(payload, worker_index=None):
         st.running.worker_index = None
 
 
-def create_per_worker_value(key, payload, input_context=None):
+def create_per_worker_value(key: str, payload: bytes,
+                            input_context: tuple[int, int] | None = None) -> bool:
     """Rpc target: calls the pickled ``fn()`` (``fn(ts.InputContext)`` when `input_context`
     is ``(num_workers, worker_index)``) and keeps the result as this worker's value for
     `key`."""
@@ -296,7 +309,7 @@ def create_per_worker_value(key, payload, input_context=None):
     return True
 
 
-def make_iterator(key, source_key):
+def make_iterator(key: str, source_key: str) -> bool:
     """Rpc target: this worker's value for `key` becomes ``iter(value of source_key)``."""
     per_worker = _state().per_worker
     per_worker[key] = iter(per_worker[source_key])
