@@ -3,8 +3,8 @@
 Modules. As torch's composable APIs do (``torch.distributed._composable.contract``,
 ``fully_shard``), what a strategy keeps about a user's module lives in that module's
 ``__dict__``, under one private key (`STATE_KEY`): a `ModuleState` naming the strategy's
-extended that owns the module (weakly: a module does not keep a strategy alive) and what
-that strategy recorded about it. The module stays the user's object: its parameters,
+extended that owns the module (weakly: the state does not keep a strategy alive, though
+hooks the strategy registers on the module may) and what that strategy recorded about it. The module stays the user's object: its parameters,
 buffers, submodules, ``state_dict()`` keys and ``repr`` are unchanged. A copy of the module
 (``copy.deepcopy``, ``pickle``, ``torch.save`` of the whole model) holds new tensors the
 strategy never saw, so it is not under the strategy: the copy carries None in place of the
