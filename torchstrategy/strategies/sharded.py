@@ -85,8 +85,10 @@ class ShardedExtended(SPMDExtended):
         self._mesh = mesh
         self._shard_modules = shard_modules
         self._fsdp_kwargs = fsdp_kwargs
-        self._owners = []               # weakrefs to modules that registered a parameter
-        self._roots = []                # weakrefs to the sharded models
+        # Weak references to the modules that registered a parameter, and to the models
+        # sharded so far (in order).
+        self._owners: list[weakref.ref[torch.nn.Module]] = []
+        self._roots: list[weakref.ref[torch.nn.Module]] = []
         self._sharding = False
         self._stale = state.stale_parameters()
         runtime.current().install_once("torchstrategy.sharded.submodule-hook",

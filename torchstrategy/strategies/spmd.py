@@ -242,7 +242,9 @@ class SPMDExtended(CommunicatorReplicaExtended):
         super().__init__(container, communicator, torch_device, place_in_scope)
         self._reducer: GradientReducer | None = None
         if reduce_gradients and communicator.world_size > 1:
-            kwargs = {} if bucket_cap_bytes is None else {"bucket_cap_bytes": bucket_cap_bytes}
+            # The reducer takes the cap as given (a fraction of a MiB is a float of bytes).
+            kwargs: dict[str, Any] = {} if bucket_cap_bytes is None else \
+                {"bucket_cap_bytes": bucket_cap_bytes}
             self._reducer = GradientReducer(communicator, **kwargs)
         # Whether `_first_run_check` has passed (it wraps every run until one succeeds).
         self._first_run_checked = False

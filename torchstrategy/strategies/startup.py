@@ -244,20 +244,22 @@ def _cluster_world(resolver: ClusterResolver, tasks: list[tuple[str, int]], node
                        f"({tasks[0][0]}:{tasks[0][1]}) too, and check its address and that "
                        "the port is open")
         raise RuntimeError(f"torchstrategy: {problem}. ({error})") from error
-    _agree_on_replicas_per_machine(world.store, world, timeout_seconds, tasks)
+    _agree_on_replicas_per_machine(world, timeout_seconds, tasks)
     return world, local
 
 
-def _agree_on_replicas_per_machine(store: dist.Store, world: world_lib.World,
-                                   timeout_seconds: float, tasks: list[tuple[str, int]]
-                                   ) -> None:
-    """Every machine announces its number of replicas in the rendezvous store and checks the
-    others'; a machine that never shows up is named instead of hanging.
+def _agree_on_replicas_per_machine(world: world_lib.World, timeout_seconds: float,
+                                   tasks: list[tuple[str, int]]) -> None:
+    """Every machine announces its number of replicas in the rendezvous store of `world`
+    (re-execution's world, which always carries it) and checks the others'; a machine that
+    never shows up is named instead of hanging.
 
     Raises:
       RuntimeError: a machine missing after the timeout, or machines with different numbers
         of replicas (global ranks need the same number on each).
     """
+    store = world.store
+    assert store is not None, "re-execution's world carries its rendezvous store"
     key = "torchstrategy/replicas_on_machine/{}".format
     store.set(key(world.node_rank), str(world.local_world_size))
     keys = [key(m) for m in range(world.num_nodes)]
