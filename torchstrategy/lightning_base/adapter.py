@@ -33,6 +33,8 @@ Only documented methods of the strategy are used (``extended.communicator``,
 for a kind, found in `torchstrategy.strategies.registry`) and ``runtime.current().world``;
 private Lightning APIs go through `torchstrategy._compat`.
 """
+from __future__ import annotations
+
 import contextlib
 import dataclasses
 import importlib
@@ -40,7 +42,7 @@ import os
 import sys
 import threading
 import types
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -54,6 +56,7 @@ from torchstrategy.strategies import registry as strategy_registry
 from torchstrategy.strategies.base import Strategy
 
 PACKAGES = ("lightning.pytorch", "pytorch_lightning")
+_T = TypeVar("_T")
 START_METHODS = ("popen", "fork")
 
 _LIGHTNING_REDUCE_OPS = {"mean": ReduceOp.MEAN, "avg": ReduceOp.MEAN, "sum": ReduceOp.SUM}
@@ -78,7 +81,7 @@ PUBLISHED_IN = {"lightning.pytorch": "torchstrategy.lightning.lightning_pytorch"
                 "pytorch_lightning": "torchstrategy.lightning.pytorch_lightning"}
 
 
-def lightning_package(name):
+def lightning_package(name: str) -> "LightningPackage":
     """The `LightningPackage` of `name` ("lightning.pytorch" or "pytorch_lightning"),
     importing that package."""
     # Lightning is an optional dependency, imported only here, on use.
@@ -96,7 +99,7 @@ def lightning_package(name):
                       (accelerators.XLAAccelerator, "xla")))
 
 
-def defined_once(base, package, define):
+def defined_once(base: type[_T], package: str, define: Callable[[], type[_T]]) -> type[_T]:
     """The subclass of `base` for Lightning `package`: the one defined earlier in this
     process (found among ``base.__subclasses__()``, which a forked child keeps), else
     ``define()``'s, made once even when several threads ask at the same time."""
@@ -107,15 +110,16 @@ def defined_once(base, package, define):
         return define()
 
 
-def new_package_class(name, bases, package, attributes):
+def new_package_class(name: str, bases: tuple[type, ...], package: str,
+                      attributes: dict[str, Any]) -> Any:
     """A class `name` of Lightning `package`, published in ``PUBLISHED_IN[package]`` (that
     module re-exports it), with `attributes`."""
-    def body(namespace):
+    def body(namespace: dict[str, Any]) -> None:
         namespace.update(attributes, __module__=PUBLISHED_IN[package])
     return types.new_class(name, bases, exec_body=body)
 
 
-def strategy_class(package=None):
+def strategy_class(package: str | None = None) -> type[LightningStrategy]:
     """The adapter class of `package` ("lightning.pytorch" or "pytorch_lightning"; None:
     the one in use), a subclass of that package's ``ParallelStrategy`` and of
     `LightningStrategy`. Defining it (once per process) registers our names in that
@@ -123,13 +127,13 @@ def strategy_class(package=None):
     package = package or packages_in_use()[0]
     check_package(package)
 
-    def define():
+    def define() -> type[LightningStrategy]:
         # Lightning is an optional dependency, imported only here, on use.
         strategies = importlib.import_module(f"{package}.strategies")
         cls = new_package_class("LightningStrategy",
                                 (LightningStrategy, strategies.ParallelStrategy), package,
                                 {"__doc__": CLASS_DOC, "lightning": lightning_package(package)})
-        cls.register_strategies(strategies.StrategyRegistry)
+        registration.register_into(strategies.StrategyRegistry, cls)
         return cls
     return defined_once(LightningStrategy, package, define)
 
@@ -227,7 +231,7 @@ def check_arguments(strategy, kind, start_method):
                 "strategy object.")
         _check_supported(strategy)
         return
-    entry = strategy_registry.trainer_kind(kind)
+    entry = strategy_registry.find_kind(kind)
     if entry is not None and not entry.runs_under_a_trainer:
         raise ValueError(_unsupported_message(entry.class_name))
     if entry is None:

@@ -16,6 +16,8 @@ drawn.
 Lightning package's ``Callback`` (published in `torchstrategy.lightning.lightning_pytorch`
 and `.pytorch_lightning`). This module imports no Lightning until a callback is made.
 """
+from __future__ import annotations
+
 import importlib
 import os
 
@@ -26,7 +28,7 @@ from torchstrategy.lightning_base import adapter
 _FILE = "backup.ckpt"
 
 
-def callback_class(package=None):
+def callback_class(package: str | None = None) -> type[BackupAndRestoreCallback]:
     """The callback class of `package` ("lightning.pytorch" or "pytorch_lightning"; None:
     the one in use), a subclass of that package's ``Callback`` and of
     `BackupAndRestoreCallback`, defined once per process (with the package's adapter
@@ -34,7 +36,7 @@ def callback_class(package=None):
     package = package or adapter.packages_in_use()[0]
     adapter.strategy_class(package)
 
-    def define():
+    def define() -> type[BackupAndRestoreCallback]:
         # Lightning is an optional dependency, imported only here, on use.
         callback = importlib.import_module(f"{package}.callbacks").Callback
         return adapter.new_package_class("BackupAndRestoreCallback",

@@ -20,8 +20,8 @@ from torchstrategy.strategies import registry as strategy_registry
 
 # name -> (torchstrategy class it builds, kind, start method, description): a view of
 # `torchstrategy.strategies.registry`, which holds the names.
-_NAMES = {entry.name: (strategy_registry.trainer_kind(entry.kind).class_name, entry.kind,
-                       entry.start_method, entry.description)
+_NAMES = {entry.name: (entry.strategy.class_name, entry.strategy.kind, entry.start_method,
+                       entry.description)
           for entry in strategy_registry.NAMES}
 # Prefix for a name Lightning already uses for one of its own strategies.
 _COLLISION_PREFIX = "ts_"

@@ -15,12 +15,13 @@ import logging
 import numbers
 import threading
 import warnings
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from torchstrategy import _compat, context, mirroring, nest, values
 from torchstrategy import ownership
+from torchstrategy.collectives.communicator import Communicator
 from torchstrategy.collectives.stats import ReductionStats
 from torchstrategy.devices import parse_device
 from torchstrategy.reduce_op import ReduceOp, as_mean_input, as_reduce_op
@@ -360,7 +361,7 @@ class StrategyExtended(abc.ABC):
         obj.load_state_dict(state_dict)
 
     @property
-    def converts_checkpoint_state(self):
+    def converts_checkpoint_state(self) -> bool:
         """True when `state_dict_for_checkpoint` / `load_state_dict_from_checkpoint` do more
         than ``state_dict()`` / ``load_state_dict()`` (gather shards, merge a partitioned
         optimizer state): a checkpoint writer with a path of its own for plain state
@@ -369,14 +370,14 @@ class StrategyExtended(abc.ABC):
 
     # -- capabilities: what the library asks of a strategy ----------------------------------
     @property
-    def replicas_are_threads(self):
+    def replicas_are_threads(self) -> bool:
         """True when this process runs its replicas as threads sharing the user's objects
         (CentralStorageStrategy): a shared object updated inside ``run`` (a metric) is then
         updated by several threads at once. False by default."""
         return False
 
     @property
-    def one_replica_per_process(self):
+    def one_replica_per_process(self) -> bool:
         """True when every process of the job runs exactly one replica, with its own copy
         of the program (the default strategy, OneDeviceStrategy, the mirrored and sharded
         strategies): a training loop that runs once per process (Lightning's) can then
@@ -384,7 +385,7 @@ class StrategyExtended(abc.ABC):
         XLA program) or the replicas run closures (parameter servers)."""
         return True
 
-    def metric_sync(self):
+    def metric_sync(self) -> "MetricSync":
         """How ``ts.metrics.sync`` makes a metric updated inside ``run`` give, at
         ``compute()`` in cross-replica context, the value over every replica's rows: a
         `MetricSync`. By default the metric's states are gathered over `communicator` when
@@ -396,11 +397,11 @@ class StrategyExtended(abc.ABC):
             to do instead).
         """
         comm = self.communicator
-        gather_over = comm if getattr(comm, "world_size", 1) > 1 else None
-        return MetricSync(gather_over=gather_over,
+        spans_processes = isinstance(comm, Communicator) and comm.world_size > 1
+        return MetricSync(gather_over=comm if spans_processes else None,
                           serialize_updates=self.replicas_are_threads)
 
-    def prepare_trainer_module(self, module):
+    def prepare_trainer_module(self, module: torch.nn.Module) -> None:
         """Brings `module`, already on `torch_device`, under this strategy for a training
         loop that this strategy does not run (Lightning's Trainer): afterwards its
         parameters are identical on every replica and ``backward()`` communicates their
@@ -415,7 +416,8 @@ class StrategyExtended(abc.ABC):
                 self.record_buffer(submodule, name)
         self.synchronize_mirrored_state()
 
-    def prepare_trainer_optimizer(self, optimizer, module):
+    def prepare_trainer_optimizer(self, optimizer: torch.optim.Optimizer,
+                                  module: torch.nn.Module) -> None:
         """Called for each optimizer such a training loop creates for `module`, after
         `prepare_trainer_module`, on every replica. The optimizer stays the same object
         (LR schedulers refer to it): a strategy that partitions optimizer state changes it
@@ -445,7 +447,7 @@ class MetricSync:
         device.
     """
 
-    gather_over: Any = None
+    gather_over: Communicator | None = None
     serialize_updates: bool = False
 
 
@@ -482,7 +484,8 @@ class Strategy:
         return None
 
     @classmethod
-    def build_for_trainer(cls, devices, num_nodes, *, name):
+    def build_for_trainer(cls, devices: Sequence[torch.device], num_nodes: int, *,
+                          name: str) -> "Strategy":
         """The strategy a training loop that runs once per process (Lightning's Trainer)
         asks for by `name` (e.g. ``Trainer(strategy="mirrored")``), built from the
         Trainer's `devices` (the `torch.device`s of this machine's replicas) and
@@ -671,7 +674,7 @@ class Strategy:
         return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"
 
 
-def trainer_device_names(devices, name):
+def trainer_device_names(devices: Sequence[torch.device], name: str) -> list[str]:
     """The device names (``"cpu:0"``, ``"cuda:1"``) of a Trainer's `devices` for a strategy
     with one process per CPU or CUDA device (`Strategy.build_for_trainer`); several CPU
     replicas get distinct names.
@@ -689,7 +692,8 @@ def trainer_device_names(devices, name):
     return [str(d) for d in devices]
 
 
-def check_trainer_replicas(strategy, devices, num_nodes, advice=""):
+def check_trainer_replicas(strategy: Strategy, devices: Sequence[torch.device],
+                           num_nodes: int, advice: str = "") -> None:
     """Raises ValueError when `strategy`'s replica count differs from the Trainer's
     ``num_nodes * len(devices)`` (`advice` ends the message)."""
     count = len(devices)

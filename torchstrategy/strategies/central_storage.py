@@ -21,7 +21,7 @@ from torchstrategy.launch import world as world_lib
 from torchstrategy.reduce_op import ReduceOp, as_reduce_op, check_mean_dtype
 from torchstrategy.replica_context import ReplicaContext
 from torchstrategy.strategies import central_reads
-from torchstrategy.strategies.base import Strategy, StrategyExtended, logger
+from torchstrategy.strategies.base import MetricSync, Strategy, StrategyExtended, logger
 from torchstrategy.strategies.replica_threads import ReplicaGroup, run_replicas
 from torchstrategy.strategies.spmd import destination_device, device_guard, placement_scope
 from torchstrategy.variables import SyncOnReadVariable
@@ -217,13 +217,18 @@ class CentralStorageExtended(StrategyExtended):
         return self._threads
 
     @property
-    def replicas_are_threads(self):
+    def replicas_are_threads(self) -> bool:
         """The replicas are threads of this process, sharing the user's objects."""
         return True
 
     @property
-    def one_replica_per_process(self):
+    def one_replica_per_process(self) -> bool:
         return False
+
+    def metric_sync(self) -> MetricSync:
+        """Updates serialised (the replica threads share the metric); nothing to gather:
+        this process holds every replica's updates."""
+        return MetricSync(gather_over=None, serialize_updates=True)
 
     # -- running ---------------------------------------------------------------------------
     def default_replica_context(self):

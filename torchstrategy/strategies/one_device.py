@@ -1,4 +1,10 @@
 """`OneDeviceStrategy`: variables, computation and input on one device."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
 from torchstrategy.collectives.communicator import Communicator
 from torchstrategy.collectives.cross_device_ops import NcclAllReduce
 from torchstrategy.devices import parse_devices
@@ -22,7 +28,8 @@ class OneDeviceStrategy(Strategy):
         self._device_name = parsed.name
 
     @classmethod
-    def build_for_trainer(cls, devices, num_nodes, *, name):
+    def build_for_trainer(cls, devices: Sequence[torch.device], num_nodes: int, *,
+                          name: str) -> OneDeviceStrategy:
         """One replica on the Trainer's one device (``Trainer(strategy="one_device")``).
 
         Raises:

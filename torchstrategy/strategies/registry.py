@@ -58,12 +58,12 @@ class TrainerKind:
 
 @dataclasses.dataclass(frozen=True)
 class TrainerName:
-    """A name registered in Lightning's ``StrategyRegistry``: builds `kind` with
+    """A name registered in Lightning's ``StrategyRegistry``: builds `strategy` with
     `start_method`; `description` is what Lightning lists (and how our registrations are
     recognised in its registry)."""
 
     name: str
-    kind: str
+    strategy: TrainerKind
     start_method: str
     description: str
 
@@ -79,28 +79,42 @@ KINDS: tuple[TrainerKind, ...] = (
     TrainerKind("tpu", "TPUStrategy", lambda: TPUStrategy, ()),
 )
 
+MIRRORED, ONE_DEVICE, MULTI_WORKER_MIRRORED, SHARDED, CENTRAL_STORAGE, TPU = KINDS
+
 NAMES: tuple[TrainerName, ...] = (
-    TrainerName("mirrored", "mirrored", "popen",
+    TrainerName("mirrored", MIRRORED, "popen",
                 "torchstrategy MirroredStrategy: one replica per device, python train.py "
                 "re-executes itself for the other replicas (or joins torchrun)"),
-    TrainerName("mirrored_notebook", "mirrored", "fork",
+    TrainerName("mirrored_notebook", MIRRORED, "fork",
                 "torchstrategy MirroredStrategy with replicas forked at fit (notebooks)"),
-    TrainerName("one_device", "one_device", "popen",
+    TrainerName("one_device", ONE_DEVICE, "popen",
                 "torchstrategy OneDeviceStrategy: one replica on one device"),
-    TrainerName("multi_worker_mirrored", "multi_worker_mirrored", "popen",
+    TrainerName("multi_worker_mirrored", MULTI_WORKER_MIRRORED, "popen",
                 "torchstrategy MultiWorkerMirroredStrategy: several machines under torchrun"),
-    TrainerName("central_storage", "central_storage", "popen",
+    TrainerName("central_storage", CENTRAL_STORAGE, "popen",
                 "torchstrategy CentralStorageStrategy"),
-    TrainerName("tpu", "tpu", "popen", "torchstrategy TPUStrategy"),
-    TrainerName("sharded", "sharded", "popen",
+    TrainerName("tpu", TPU, "popen", "torchstrategy TPUStrategy"),
+    TrainerName("sharded", SHARDED, "popen",
                 "torchstrategy ShardedStrategy: parameters, gradients and optimizer state "
                 "sharded over one replica per device (FSDP2)"),
 )
 
 
-def trainer_kind(kind: str) -> TrainerKind | None:
+def find_kind(kind: str) -> TrainerKind | None:
     """The `TrainerKind` named `kind`, or None."""
     return next((entry for entry in KINDS if entry.kind == kind), None)
+
+
+def trainer_kind(kind: str) -> TrainerKind:
+    """The `TrainerKind` named `kind`.
+
+    Raises:
+      KeyError: no such kind.
+    """
+    entry = find_kind(kind)
+    if entry is None:
+        raise KeyError(kind)
+    return entry
 
 
 def kinds_under_a_trainer() -> list[str]:
