@@ -28,12 +28,15 @@ Every replica calls the same methods at the same points (they are collectives). 
 while writing leaves the previous backup intact; at start the chief reads it and sends it to
 the others, so only the chief's machine needs to see `backup_dir`.
 """
+from __future__ import annotations
+
 import itertools
 import logging
 import os
 import pickle
 import random
 import sys
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -48,21 +51,22 @@ logger = logging.getLogger("torchstrategy")
 _FILE = "backup.pt"
 
 
-def _distributed():
+def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _rank():
+def _rank() -> int:
     return dist.get_rank() if _distributed() else 0
 
 
-def _object_device():
+def _object_device() -> torch.device | None:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return None
 
 
-def broadcast_from_chief(obj):
+def broadcast_from_chief(obj: Any) -> Any:
+    """The chief's `obj` on every replica (a collective when there are several)."""
     if not _distributed():
         return obj
     box = [obj]
@@ -70,16 +74,16 @@ def broadcast_from_chief(obj):
     return box[0]
 
 
-def gather_to_chief(obj):
+def gather_to_chief(obj: Any) -> list[Any] | None:
     """Every replica's `obj` on the chief (a list in rank order); None elsewhere."""
     if not _distributed():
         return [obj]
-    out = [None] * dist.get_world_size()
+    out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out if dist.get_rank() == 0 else None
 
 
-def _barrier():
+def _barrier() -> None:
     if _distributed():
         if dist.get_backend() == "nccl":
             dist.barrier(device_ids=[torch.cuda.current_device()])
@@ -87,10 +91,10 @@ def _barrier():
             dist.barrier()
 
 
-def rng_state():
+def rng_state() -> dict[str, Any]:
     """This process's random generators (torch, CUDA if in use, Python, NumPy if imported)
     as tensors and plain values, which a backup stores and `set_rng_state` restores."""
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     numpy = sys.modules.get("numpy")
@@ -102,7 +106,7 @@ def rng_state():
     return state
 
 
-def set_rng_state(state):
+def set_rng_state(state: Mapping[str, Any] | None) -> None:
     """Restores what `rng_state` returned (None: nothing was recorded)."""
     if state is None:  # not recorded (a backup written before any step ran)
         return
@@ -118,7 +122,7 @@ def set_rng_state(state):
                                 has_gauss, cached))
 
 
-def check_private(directory):
+def check_private(directory: str | os.PathLike[str]) -> None:
     """Refuses a backup directory that someone else could have planted a backup in."""
     try:
         info = os.stat(directory)
@@ -134,7 +138,7 @@ def check_private(directory):
             "yours) if you trust it.")
 
 
-def checkpoint_extended():
+def checkpoint_extended() -> Any:
     """The extended of the strategy the checkpointed objects belong to: the one whose scope
     was entered last (the default strategy when none was). Its `state_dict_for_checkpoint`
     / `load_state_dict_from_checkpoint` save and load them."""
@@ -142,12 +146,12 @@ def checkpoint_extended():
     return strategy.extended
 
 
-def num_replicas():
+def num_replicas() -> int:
     """The replicas of this job: one per process of the default group (1 without one)."""
     return dist.get_world_size() if _distributed() else 1
 
 
-def global_batch_size(data):
+def global_batch_size(data: Any) -> int | None:
     """Samples per global batch of `data` (a distributed dataset of a DataLoader, or a
     DataLoader); None when it has no fixed batch size (another iterable)."""
     if isinstance(data, DistributedDataset):
@@ -160,7 +164,9 @@ def global_batch_size(data):
     return int(size) if isinstance(size, int) else None
 
 
-def check_resize(written_replicas, replicas, global_batches, what):
+def check_resize(written_replicas: int | None, replicas: int,
+                 global_batches: Mapping[str, tuple[int | None, int | None]],
+                 what: str) -> None:
     """Allows resuming on `replicas` replicas a position written by `written_replicas`.
 
     The position in the data is kept in global batches (steps), which stay the same samples
@@ -220,7 +226,8 @@ class BackupAndRestore:
       ValueError: a `save_freq` that is neither "epoch" nor a positive int.
     """
 
-    def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True):
+    def __init__(self, backup_dir: str | os.PathLike[str], save_freq: str | int = "epoch",
+                 delete_checkpoint: bool = True) -> None:
         if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(
                 save_freq, int) or save_freq < 1):
             raise ValueError(f"save_freq must be 'epoch' or a positive number of steps, got "
@@ -232,29 +239,30 @@ class BackupAndRestore:
         self.step = 0           # the step of `epoch` running (or next to run)
         self.global_step = 0    # steps finished since training began
         self.restored = False
-        self._objects = {}
-        self._datasets = []     # iterated with steps(), in order of first use
-        self._pending_datasets = []
-        self._pending_rng = None
-        self._pending_batches = []
-        self._written_replicas = None
-        self._epoch_rng = None  # the random state when the current epoch's steps began
+        self._objects: dict[str, Any] = {}
+        self._datasets: list[Any] = []     # iterated with steps(), in order of first use
+        self._pending_datasets: list[Any] = []
+        self._pending_rng: dict[str, Any] | None = None
+        self._pending_batches: list[int | None] = []
+        self._written_replicas: int | None = None
+        # the random state when the current epoch's steps began
+        self._epoch_rng: dict[str, Any] | None = None
         if _rank() == 0:
             self._open_directory()
 
-    def _open_directory(self):
+    def _open_directory(self) -> None:
         """Checks that only this user can write the directory, and removes temporaries
         that a backup write killed midway left behind (only the chief writes here)."""
         check_private(self.backup_dir)
         remove_stale_temporaries(self.backup_dir)
 
     @property
-    def path(self):
+    def path(self) -> str:
         """The backup file."""
         return os.path.join(self.backup_dir, _FILE)
 
     # -- what to back up -----------------------------------------------------------------
-    def track(self, **objects):
+    def track(self, **objects: Any) -> BackupAndRestore:
         """Backs up these objects from now on and, if a backup exists, restores them now.
 
         Args:
@@ -281,10 +289,10 @@ class BackupAndRestore:
             self._restore(payload, objects)
         return self
 
-    def _read(self):
+    def _read(self) -> Any:
         # weights_only: tensors and plain Python values only; a planted pickle runs nothing.
         payload = None
-        error = None
+        error: BaseException | None = None
         if _rank() == 0 and os.path.exists(self.path):
             try:
                 check_private(self.backup_dir)
@@ -306,7 +314,7 @@ class BackupAndRestore:
                                "see its error.")
         return payload[1]
 
-    def _restore(self, payload, objects):
+    def _restore(self, payload: dict[str, Any], objects: Mapping[str, Any]) -> None:
         missing = [name for name in objects if name not in payload["objects"]]
         if missing:
             raise KeyError(f"The backup at {self.path} has no state for {missing} (it holds "
@@ -338,7 +346,7 @@ class BackupAndRestore:
                 self._pending_rng = rng
 
     # -- the loops -----------------------------------------------------------------------
-    def epochs(self, num_epochs):
+    def epochs(self, num_epochs: int) -> Iterator[int]:
         """Yields the epochs still to run, from the one the backup stopped in (0 on a fresh
         start) to ``num_epochs - 1``. With ``save_freq="epoch"`` a backup is written after
         each epoch's body; after the last epoch the backup is deleted (`delete_checkpoint`).
@@ -352,7 +360,7 @@ class BackupAndRestore:
         if self.delete_checkpoint:
             self.delete()
 
-    def steps(self, data):
+    def steps(self, data: Iterable[Any]) -> Iterator[tuple[int, Any]]:
         """Yields ``(step, batch)`` for the rest of the current epoch of `data`.
 
         `data` is a distributed dataset (``strategy.experimental_distribute_dataset``), a
@@ -389,11 +397,11 @@ class BackupAndRestore:
             yield step, batch
             self.step = step + 1
             self.global_step += 1
-            if self.save_freq != "epoch" and self.global_step % self.save_freq == 0:
+            if isinstance(self.save_freq, int) and self.global_step % self.save_freq == 0:
                 self.save()
 
     @staticmethod
-    def _positioned_iterator(data, epoch, start_step):
+    def _positioned_iterator(data: Any, epoch: int, start_step: int) -> Iterator[Any]:
         if isinstance(data, DistributedDataset):
             data.set_epoch(epoch, start_step)
             return iter(data)  # skips the first start_step steps now
@@ -407,7 +415,7 @@ class BackupAndRestore:
         return iterator
 
     # -- writing -------------------------------------------------------------------------
-    def save(self):
+    def save(self) -> None:
         """Backs up the tracked objects and the position now (every replica calls it; the
         chief writes). `epochs` and `steps` call it per `save_freq`."""
         rng = gather_to_chief({"now": rng_state(), "epoch_start": self._epoch_rng})
@@ -415,7 +423,7 @@ class BackupAndRestore:
         extended = checkpoint_extended()
         states = {name: extended.state_dict_for_checkpoint(obj)
                   for name, obj in self._objects.items()}
-        error = None
+        error: BaseException | None = None
         if _rank() == 0:
             try:
                 self._write(rng, states)
@@ -425,7 +433,7 @@ class BackupAndRestore:
         if error is not None:
             raise error
 
-    def _write(self, rng, states):
+    def _write(self, rng: list[Any] | None, states: dict[str, Any]) -> None:
         datasets = [d.state_dict() if callable(getattr(d, "state_dict", None)) else None
                     for d in self._datasets]
         payload = {"epoch": self.epoch, "step": self.step,
@@ -440,7 +448,7 @@ class BackupAndRestore:
                 state["epoch"] = self.epoch
         write_atomically(payload, self.path, directory_mode=0o700)
 
-    def delete(self):
+    def delete(self) -> None:
         """Removes the backup (the chief does; every replica calls it)."""
         if _rank() == 0:
             if os.path.exists(self.path):
@@ -451,6 +459,6 @@ class BackupAndRestore:
                 pass  # not empty (the user's files) or already gone
         _barrier()
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"BackupAndRestore({self.backup_dir!r}, save_freq={self.save_freq!r}, "
                 f"epoch={self.epoch}, step={self.step})")

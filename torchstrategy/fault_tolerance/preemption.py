@@ -29,12 +29,15 @@ are those of `checkpoint`: a dict of name -> anything with ``state_dict()`` /
 ``load_state_dict()`` (model, optimizer, scheduler, and the distributed dataset, whose
 state holds the position of its loader's random generators).
 """
+from __future__ import annotations
+
 import contextlib
 import logging
 import os
 import pickle
 import secrets
 import time
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -59,11 +62,11 @@ _FORMAT = 1
 _GRACE_MARGIN = 3
 
 
-def _rank():
+def _rank() -> int:
     return dist.get_rank() if num_replicas() > 1 else 0
 
 
-def _check_objects(checkpoint):
+def _check_objects(checkpoint: Any) -> None:
     if not isinstance(checkpoint, dict):
         raise TypeError(f"PreemptionCheckpointHandler: checkpoint must be a dict of name -> "
                         f"object with state_dict()/load_state_dict() (e.g. {{'model': model, "
@@ -80,7 +83,7 @@ def _check_objects(checkpoint):
                             "them.")
 
 
-def _check_resolver(cluster_resolver):
+def _check_resolver(cluster_resolver: ClusterResolver | None) -> None:
     if cluster_resolver is None:
         return
     if not isinstance(cluster_resolver, ClusterResolver):
@@ -125,7 +128,9 @@ class PreemptionCheckpointHandler:
         number of replicas when this run's global batch does not divide evenly.
     """
 
-    def __init__(self, cluster_resolver, checkpoint, checkpoint_dir, termination_config=None):
+    def __init__(self, cluster_resolver: ClusterResolver | None, checkpoint: Mapping[str, Any],
+                 checkpoint_dir: str | os.PathLike[str],
+                 termination_config: TerminationConfig | None = None) -> None:
         _check_resolver(cluster_resolver)
         _check_objects(checkpoint)
         if checkpoint_dir is None or not isinstance(checkpoint_dir, (str, os.PathLike)):
@@ -146,14 +151,15 @@ class PreemptionCheckpointHandler:
         self._is_chief = _rank() == 0
         self._run_calls = 0
         self._round = 0                 # 0: first agreed save; 1: the grace period's last
-        self._target = None             # (step, final) agreed for this round
-        self._claimed = None            # None: not tried; True: this replica leads
-        self._deadline = None           # when the leader calls the final save
+        self._target: tuple[int, bool] | None = None    # (step, final) agreed for this round
+        self._claimed: bool | None = None   # None: not tried; True: this replica leads
+        self._deadline: float | None = None   # when the leader calls the final save
         self._done = False
         self._step_seconds = 0.0
         self._save_seconds = 0.0
         self.restored = False
         nonce = self._restore()
+        self._agreement: StoreAgreement | LocalAgreement
         if num_replicas() > 1:
             store = _compat.default_store()
             if store is None:
@@ -167,11 +173,11 @@ class PreemptionCheckpointHandler:
 
     # -- restoring -------------------------------------------------------------------
     @property
-    def path(self):
+    def path(self) -> str:
         """The checkpoint file."""
         return os.path.join(self._dir, CHECKPOINT_FILE)
 
-    def _read(self):
+    def _read(self) -> tuple[Any, str, str | None]:
         """The chief's (payload, nonce, error) for everyone."""
         payload = error = None
         if self._is_chief:
@@ -190,7 +196,7 @@ class PreemptionCheckpointHandler:
                 error = f"{type(caught).__name__}: {caught}"
         return broadcast_from_chief((payload, secrets.token_hex(8), error))
 
-    def _restore(self):
+    def _restore(self) -> str:
         payload, nonce, error = self._read()
         if error is not None:
             raise RuntimeError(f"PreemptionCheckpointHandler could not read the checkpoint in "
@@ -225,12 +231,13 @@ class PreemptionCheckpointHandler:
 
     # -- the public surface ------------------------------------------------------------
     @property
-    def total_run_calls(self):
+    def total_run_calls(self) -> int:
         """Steps run so far (`run` calls plus `save_checkpoint_if_preempted` calls),
         including those before a restart: the step to resume from."""
         return self._run_calls
 
-    def run(self, distributed_train_function, *args, **kwargs):
+    def run(self, distributed_train_function: Callable[..., Any], *args: Any,
+            **kwargs: Any) -> Any:
         """Runs one training step, ``distributed_train_function(*args, **kwargs)``, and
         returns its result; before it, saves and exits if the replicas agreed to stop after
         the steps already run.
@@ -251,7 +258,7 @@ class PreemptionCheckpointHandler:
         self._step_seconds += (elapsed - self._step_seconds) / max(self._run_calls, 1)
         return result
 
-    def save_checkpoint_if_preempted(self, *args, **kwargs):
+    def save_checkpoint_if_preempted(self, *args: Any, **kwargs: Any) -> None:
         """Counts one step finished and saves (then exits) if the replicas agreed to stop
         after it: for loops that run steps themselves. Call it after every step.
 
@@ -269,7 +276,7 @@ class PreemptionCheckpointHandler:
         self._check_and_maybe_save(args, kwargs)
 
     @contextlib.contextmanager
-    def watch_preemption_scope(self):
+    def watch_preemption_scope(self) -> Iterator[None]:
         """A block in which termination notices are watched and errors are shared.
 
         Watching starts when the handler is made; at the end of this block it stops (the
@@ -285,7 +292,7 @@ class PreemptionCheckpointHandler:
             self._watcher.stop()
 
     # -- the agreement --------------------------------------------------------------
-    def _check_and_maybe_save(self, args, kwargs):
+    def _check_and_maybe_save(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._done:
             return
         if self._target is None:
@@ -313,7 +320,7 @@ class PreemptionCheckpointHandler:
             logger.warning("torchstrategy: preemption checkpoint saved; training goes on "
                            "during the grace period.")
 
-    def _lead(self):
+    def _lead(self) -> None:
         """This replica has a notice and no step is agreed in this round: the first one to
         claim publishes the step after the next."""
         if self._claimed is None:
@@ -321,12 +328,14 @@ class PreemptionCheckpointHandler:
         if not self._claimed:
             return  # another replica leads; its step will be published
         now = time.monotonic()
+        # The notice is set, so its time is known.
+        noticed = self._watcher.notice_time if self._watcher.notice_time is not None else now
         if self._round == 0:
-            remaining = self._watcher.notice_time + self._grace - now
+            remaining = noticed + self._grace - now
             final = remaining <= self._margin()
             if not final:
-                self._deadline = self._watcher.notice_time + self._grace
-        elif now < self._deadline - self._margin():
+                self._deadline = noticed + self._grace
+        elif self._deadline is not None and now < self._deadline - self._margin():
             return  # keep training in the grace period
         else:
             final = True
@@ -334,17 +343,17 @@ class PreemptionCheckpointHandler:
         self._agreement.publish(self._round, step, final)
         self._target = (step, final)
 
-    def _margin(self):
+    def _margin(self) -> float:
         return _GRACE_MARGIN * (2 * self._step_seconds + self._save_seconds)
 
-    def _wait_bound(self):
+    def _wait_bound(self) -> float:
         """How long to wait for a peer while saving: the time left of the grace period, or
         the collective timeout without one."""
         if self._grace > 0 and self._watcher.notice_time is not None:
             return max(self._watcher.notice_time + self._grace - time.monotonic(), 1.0)
         return self._timeout
 
-    def _save(self, args, kwargs):
+    def _save(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         started = time.monotonic()
         self._agreement.offer_rng(self._round, rng_state())
         save_fn = self._config.save_fn
@@ -372,7 +381,7 @@ class PreemptionCheckpointHandler:
             self._agreement.wait_saved(self._round, self._wait_bound())
         self._save_seconds = time.monotonic() - started
 
-    def _finish(self):
+    def _finish(self) -> None:
         self._done = True
         # The checkpoint is written: from here a signal acts as it did before the handler
         # (a replica stuck on its way out must not ignore the SIGTERM that torchrun's agent
@@ -381,7 +390,7 @@ class PreemptionCheckpointHandler:
         self._exit_fn()
 
     @contextlib.contextmanager
-    def _reporting_errors(self):
+    def _reporting_errors(self) -> Iterator[None]:
         try:
             yield
         except Exception as error:
@@ -395,6 +404,6 @@ class PreemptionCheckpointHandler:
                     from error
             raise
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"PreemptionCheckpointHandler({self._dir!r}, total_run_calls="
                 f"{self._run_calls}, objects={sorted(self._objects)})")
