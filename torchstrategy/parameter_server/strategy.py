@@ -34,7 +34,7 @@ from torchstrategy.parameter_server import (optimizers, partitioners, ps_store, 
                                             rpc_world, server)
 from torchstrategy.parameter_server.variables import PSVariable, ShardedVariable
 from torchstrategy.reduce_op import ReduceOp, as_reduce_op
-from torchstrategy.strategies.base import Strategy
+from torchstrategy.strategies.base import MetricSync, Strategy
 from torchstrategy.strategies.spmd import CommunicatorReplicaExtended
 
 
@@ -120,11 +120,11 @@ class ParameterServerStrategyExtended(CommunicatorReplicaExtended):
         return self._coordinator
 
     @property
-    def one_replica_per_process(self):
+    def one_replica_per_process(self) -> bool:
         """False: the workers run closures the chief schedules, not the program."""
         return False
 
-    def metric_sync(self):
+    def metric_sync(self) -> MetricSync:
         """Refused: a metric cannot follow the replicas of a parameter-server cluster."""
         raise NotImplementedError(
             "ts.metrics.sync does not support ParameterServerStrategy: a scheduled function "

@@ -149,7 +149,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         return self._world.local_rank == 0 and self._world.node_rank == 0
 
     @classmethod
-    def build_for_trainer(cls, devices, num_nodes, *, name):
+    def build_for_trainer(cls, devices: Sequence[torch.device], num_nodes: int, *,
+                          name: str) -> MultiWorkerMirroredStrategy:
         """One replica per Trainer device on each machine; the machines come from
         torchrun's environment (or TF_CONFIG) (``Trainer(strategy=
         "multi_worker_mirrored")``).

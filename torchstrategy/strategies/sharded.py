@@ -251,7 +251,7 @@ class ShardedExtended(SPMDExtended):
             self._stale.adopt(optimizer)
         return module
 
-    def prepare_trainer_module(self, module):
+    def prepare_trainer_module(self, module: torch.nn.Module) -> None:
         """FSDP2 units gather in forward; a Trainer calls the LightningModule's own step
         methods, so its children are sharded, each as a model (`adopt_submodules`)."""
         self.adopt_submodules(module)
@@ -494,7 +494,8 @@ class ShardedStrategy(Strategy):
         return self._world.node_rank
 
     @classmethod
-    def build_for_trainer(cls, devices, num_nodes, *, name):
+    def build_for_trainer(cls, devices: Sequence[torch.device], num_nodes: int, *,
+                          name: str) -> ShardedStrategy:
         """One replica per Trainer device; several machines under torchrun
         (``Trainer(strategy="sharded")``).
 

@@ -95,11 +95,11 @@ class TPUExtended(StrategyExtended):
         return True  # a new batch shape is a new XLA compilation
 
     @property
-    def one_replica_per_process(self):
+    def one_replica_per_process(self) -> bool:
         """False: one XLA program per host runs every local replica."""
         return False
 
-    def metric_sync(self):
+    def metric_sync(self) -> MetricSync:
         """Nothing to gather or lock: the step is one SPMD program over the global batch,
         so a metric updated inside ``run`` already sees every replica's rows, on every host
         (a process-group gather would count each row once per host)."""
