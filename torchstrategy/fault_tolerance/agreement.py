@@ -15,11 +15,15 @@ save after exactly ``c + 1`` steps.
 Keys live under ``torchstrategy/preemption/<nonce>/``, the nonce picked by the chief when
 the handler is made, so a restarted job that shares the store never reads the old keys.
 """
+from __future__ import annotations
+
 import datetime
 import io
 import logging
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 logger = logging.getLogger("torchstrategy")
 
@@ -30,57 +34,65 @@ class LocalAgreement:
     rank = 0
     world_size = 1
 
-    def __init__(self):
-        self._published = {}
-        self._saved = {}
-        self._rng = None
+    def __init__(self) -> None:
+        self._published: dict[int, tuple[int, bool]] = {}
+        self._saved: dict[int, bool] = {}
+        self._rng: Any = None
 
-    def claim(self):
+    def claim(self) -> bool:
+        """Always True: the only replica leads."""
         return True
 
-    def publish(self, round_, step, final):
+    def publish(self, round_: int, step: int, final: bool) -> None:
+        """Records: save after `step` steps; `final`: exit after that save."""
         self._published[round_] = (step, final)
 
-    def agreed(self, round_):
+    def agreed(self, round_: int) -> tuple[int, bool] | None:
+        """``(step, final)`` once published for `round_`, else None."""
         return self._published.get(round_)
 
-    def offer_rng(self, round_, state):
+    def offer_rng(self, round_: int, state: Any) -> None:
+        """Keeps this process's random-generator state for the checkpoint."""
         self._rng = state
 
-    def collect_rng(self, round_, timeout_seconds):
+    def collect_rng(self, round_: int, timeout_seconds: float) -> dict[int, Any]:
+        """This process's offered state, as rank 0's."""
         return {0: self._rng}
 
-    def mark_saved(self, round_):
+    def mark_saved(self, round_: int) -> None:
+        """Records that the checkpoint of `round_` is written."""
         self._saved[round_] = True
 
-    def wait_saved(self, round_, timeout_seconds):
+    def wait_saved(self, round_: int, timeout_seconds: float) -> bool:
+        """Always True: this process wrote it."""
         return True
 
-    def report_error(self, message):
+    def report_error(self, message: str) -> str:
+        """`message`: there is no other replica whose failure came first."""
         return message
 
 
 class StoreAgreement:
     """The protocol of the module docstring over `store` (a c10d Store)."""
 
-    def __init__(self, store, nonce, rank, world_size):
+    def __init__(self, store: dist.Store, nonce: str, rank: int, world_size: int) -> None:
         self.rank = rank
         self.world_size = world_size
         self._store = store
         self._prefix = f"torchstrategy/preemption/{nonce}/"
 
-    def _key(self, *parts):
+    def _key(self, *parts: object) -> str:
         return self._prefix + "/".join(str(p) for p in parts)
 
-    def claim(self):
+    def claim(self) -> bool:
         """True for the first replica to claim the preemption (it leads the agreement)."""
         return self._store.add(self._key("claim"), 1) == 1
 
-    def publish(self, round_, step, final):
+    def publish(self, round_: int, step: int, final: bool) -> None:
         """Announces: save after `step` steps; `final`: exit after that save."""
         self._store.set(self._key("step", round_), f"{step}:{int(final)}")
 
-    def agreed(self, round_):
+    def agreed(self, round_: int) -> tuple[int, bool] | None:
         """``(step, final)`` once published for `round_`, else None (one cheap request)."""
         key = self._key("step", round_)
         if not self._store.check([key]):
@@ -88,16 +100,18 @@ class StoreAgreement:
         step, final = self._store.get(key).decode().split(":")
         return int(step), bool(int(final))
 
-    def offer_rng(self, round_, state):
+    def offer_rng(self, round_: int, state: Any) -> None:
         """Hands this replica's random-generator state to the chief (which writes it)."""
         buffer = io.BytesIO()
         torch.save(state, buffer)
-        self._store.set(self._key("rng", round_, self.rank), buffer.getvalue())
+        # Store.set takes bytes as well as str (torch's stubs name str only).
+        self._store.set(self._key("rng", round_, self.rank),
+                        buffer.getvalue())  # type: ignore[arg-type]
 
-    def collect_rng(self, round_, timeout_seconds):
+    def collect_rng(self, round_: int, timeout_seconds: float) -> dict[int, Any]:
         """The chief: every replica's offered state, by rank; a replica that offered none
         within `timeout_seconds` is left out (and said so)."""
-        states = {}
+        states: dict[int, Any] = {}
         for rank in range(self.world_size):
             key = self._key("rng", round_, rank)
             try:
@@ -111,10 +125,11 @@ class StoreAgreement:
             states[rank] = torch.load(io.BytesIO(raw), weights_only=True)
         return states
 
-    def mark_saved(self, round_):
+    def mark_saved(self, round_: int) -> None:
+        """Tells the replicas that the checkpoint of `round_` is written."""
         self._store.set(self._key("saved", round_), "1")
 
-    def wait_saved(self, round_, timeout_seconds):
+    def wait_saved(self, round_: int, timeout_seconds: float) -> bool:
         """True once the chief has written the checkpoint; False after `timeout_seconds`
         or when the store is gone."""
         try:
@@ -126,7 +141,7 @@ class StoreAgreement:
                            f"checkpoint ({error}).")
             return False
 
-    def report_error(self, message):
+    def report_error(self, message: str) -> str:
         """Records the first replica's failure; returns the one recorded first."""
         try:
             return self._store.compare_set(self._key("error"), "", message).decode()

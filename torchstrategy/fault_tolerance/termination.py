@@ -6,12 +6,16 @@ A cluster announces that it is about to take a machine away in one of two ways: 
 `Watcher` here turns either into one `threading.Event` and the time it was first seen; what
 to do about it (agree on a step, save, exit) is `preemption.PreemptionCheckpointHandler`'s.
 """
+from __future__ import annotations
+
 import logging
 import math
 import signal
 import sys
 import threading
 import time
+from types import FrameType
+from typing import Any, Callable, Iterable
 
 logger = logging.getLogger("torchstrategy")
 
@@ -24,7 +28,7 @@ RESTART_EXIT_CODE = 42
 _POLL_SECONDS = 1.0
 
 
-def exit_for_restart():
+def exit_for_restart() -> None:
     """The default `exit_fn`: ends the process with `RESTART_EXIT_CODE`."""
     sys.exit(RESTART_EXIT_CODE)
 
@@ -57,8 +61,10 @@ class TerminationConfig:
         negative or non-finite grace period, or something that is not a signal.
     """
 
-    def __init__(self, termination_watcher_fn=None, exit_fn=None, grace_period=None,
-                 save_fn=None, *, signals=None):
+    def __init__(self, termination_watcher_fn: Callable[[], bool] | None = None,
+                 exit_fn: Callable[[], Any] | None = None, grace_period: float | None = None,
+                 save_fn: Callable[..., Any] | None = None, *,
+                 signals: int | Iterable[int] | None = None) -> None:
         for name, fn in (("termination_watcher_fn", termination_watcher_fn),
                          ("exit_fn", exit_fn), ("save_fn", save_fn)):
             if fn is not None and not callable(fn):
@@ -69,30 +75,31 @@ class TerminationConfig:
             if not valid or not math.isfinite(grace_period) or grace_period < 0:
                 raise ValueError(f"TerminationConfig: grace_period must be a number of seconds "
                                  f">= 0 (or None), got {grace_period!r}.")
+        watched: tuple[Any, ...] | None = None
         if signals is not None:
-            signals = tuple(signals) if isinstance(signals, (list, tuple, set)) else (signals,)
+            watched = tuple(signals) if isinstance(signals, (list, tuple, set)) else (signals,)
             valid_signals = set(signal.valid_signals())
-            for sig in signals:
+            for sig in watched:
                 if isinstance(sig, bool) or not isinstance(sig, int) or sig not in valid_signals \
                         or sig in (signal.SIGKILL, signal.SIGSTOP):
                     raise ValueError(f"TerminationConfig: signals must be catchable signals such "
                                      f"as signal.SIGTERM or signal.SIGUSR1, got {sig!r}.")
-            if not signals:
+            if not watched:
                 raise ValueError("TerminationConfig: signals=() watches nothing; leave it None "
                                  "for SIGTERM or name the signals.")
         self.termination_watcher_fn = termination_watcher_fn
         self.exit_fn = exit_fn
         self.grace_period = grace_period
         self.save_fn = save_fn
-        self.signals = signals
+        self.signals = watched
 
-    def watched_signals(self):
+    def watched_signals(self) -> tuple[signal.Signals, ...]:
         """The signals to catch: `signals`, else SIGTERM unless a watcher function is given."""
         if self.signals is not None:
             return tuple(signal.Signals(s) for s in self.signals)
         return () if self.termination_watcher_fn is not None else (signal.SIGTERM,)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"TerminationConfig(termination_watcher_fn={self.termination_watcher_fn!r}, "
                 f"exit_fn={self.exit_fn!r}, grace_period={self.grace_period!r}, "
                 f"save_fn={self.save_fn!r}, signals={self.signals!r})")
@@ -107,20 +114,21 @@ class Watcher:
     write. `stop()` puts the previous signal handlers back and ends the polling thread.
     """
 
-    def __init__(self, config):
+    def __init__(self, config: TerminationConfig) -> None:
         self.notice = threading.Event()
-        self.notice_time = None
+        self.notice_time: float | None = None
         self.signals_received = 0
         self._config = config
-        self._previous = {}
+        self._previous: dict[signal.Signals, Any] = {}
         self._stop = threading.Event()
-        self._thread = None
+        self._thread: threading.Thread | None = None
 
     @property
-    def watching(self):
+    def watching(self) -> bool:
+        """True between `start` and `stop`."""
         return bool(self._previous) or self._thread is not None
 
-    def start(self):
+    def start(self) -> None:
         """Installs the signal handlers and starts polling (idempotent).
 
         Raises:
@@ -143,7 +151,7 @@ class Watcher:
                                             name="torchstrategy-termination-watcher")
             self._thread.start()
 
-    def stop(self):
+    def stop(self) -> None:
         """Restores the signal handlers found at `start` and stops polling (idempotent)."""
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
@@ -154,21 +162,21 @@ class Watcher:
                 self._thread.join(timeout=2 * _POLL_SECONDS)
             self._thread = None
 
-    def _record(self, what):
+    def _record(self, what: str) -> None:
         if not self.notice.is_set():
             self.notice_time = time.monotonic()
             self.notice.set()
             logger.warning(f"torchstrategy: termination notice ({what}); a checkpoint will be "
                            "saved at a step all replicas agree on.")
 
-    def _on_signal(self, signum, frame):
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         del frame
         self.signals_received += 1
         self._record(signal.Signals(signum).name)
 
-    def _poll(self):
+    def _poll(self) -> None:
         fn = self._config.termination_watcher_fn
-        while not self._stop.wait(_POLL_SECONDS):
+        while fn is not None and not self._stop.wait(_POLL_SECONDS):
             try:
                 if fn():
                     self._record("termination_watcher_fn")
