@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -36,9 +36,10 @@ from torchstrategy.parameter_server.variables import PSVariable, ShardedVariable
 from torchstrategy.reduce_op import ReduceOp, as_reduce_op
 from torchstrategy.strategies.base import MetricSync, Strategy
 from torchstrategy.strategies.spmd import CommunicatorReplicaExtended
+from torchstrategy.variables import Variable
 
 
-def _next_strategy_id():
+def _next_strategy_id() -> int:
     """A number unique among this process's strategies (keys on the servers start with it)."""
     return next(runtime.current().state("parameter_server.strategy_ids", itertools.count))
 
@@ -73,7 +74,8 @@ class ParameterServerStrategyExtended(CommunicatorReplicaExtended):
         self._prefix = f"s{_next_strategy_id()}"
         self._counter = itertools.count()
         self._lock = threading.Lock()
-        self._recorded = []       # (module, name, param) registered in scope, not placed yet
+        # (module, name, param) registered in scope, not placed yet
+        self._recorded: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
         # placed parameter -> its Layout, by identity; the parameters are kept alive (their
         # values live on the servers), so none is ever taken for another.
         self._layouts: module_state.IdentityMap[torch.Tensor, remote.Layout] = \
@@ -81,7 +83,7 @@ class ParameterServerStrategyExtended(CommunicatorReplicaExtended):
         # optimizer -> its optimizers.RemoteOptimizer, by identity; an entry goes with its
         # optimizer.
         self._optimizers = WeakIdKeyDictionary()
-        self._coordinator = None
+        self._coordinator: Any = None   # the ClusterCoordinator (a module above this one)
         spec = membership.spec
         self._parameter_devices = tuple(rpc_world.task_name("ps", i)
                                         for i in spec.task_indices("ps"))
@@ -91,31 +93,31 @@ class ParameterServerStrategyExtended(CommunicatorReplicaExtended):
 
     # -- facts ---------------------------------------------------------------------------
     @property
-    def worker_devices(self):
+    def worker_devices(self) -> tuple[str, ...]:
         """The rpc names of the workers ("worker:0", ...)."""
         return self._worker_devices
 
     @property
-    def parameter_devices(self):
+    def parameter_devices(self) -> tuple[str, ...]:
         """The rpc names of the parameter servers ("ps:0", ...)."""
         return self._parameter_devices
 
     @property
-    def membership(self):
+    def membership(self) -> rpc_world.Membership:
         """The chief's `rpc_world.Membership` (the cluster it joined)."""
         return self._membership
 
     @property
-    def variable_partitioner(self):
+    def variable_partitioner(self) -> Callable[..., Any] | None:
         return self._partitioner
 
     @property
-    def key_prefix(self):
+    def key_prefix(self) -> str:
         """The prefix of every key this strategy uses on the servers and workers."""
         return self._prefix
 
     @property
-    def coordinator(self):
+    def coordinator(self) -> Any:
         """The strategy's `ClusterCoordinator`, or None before one was made."""
         return self._coordinator
 
@@ -132,7 +134,7 @@ class ParameterServerStrategyExtended(CommunicatorReplicaExtended):
             "needs from the scheduled function and update the metric on the coordinator "
             "with the fetched results.")
 
-    def attach_coordinator(self, coordinator):
+    def attach_coordinator(self, coordinator: Any) -> Any:
         """Records the strategy's one `ClusterCoordinator`; returns the one recorded first."""
         with self._lock:
             if self._coordinator is None:
@@ -140,7 +142,8 @@ class ParameterServerStrategyExtended(CommunicatorReplicaExtended):
             return self._coordinator
 
     # -- cross-replica reductions ------------------------------------------------------
-    def reduce_across_replicas(self, reduce_op, value, axis):
+    def reduce_across_replicas(self, reduce_op: ReduceOp | str, value: Any,
+                               axis: int | None) -> Any:
         """With one replica per step, reducing across replicas returns `value` itself (any
         structure, tensors or not: results of scheduled functions need not be tensors, so
         unlike `CommunicatorReplicaExtended` nothing is converted, copied or refused); with
@@ -149,7 +152,7 @@ class ParameterServerStrategyExtended(CommunicatorReplicaExtended):
         if axis is None:
             return value
 
-        def along_axis(leaf):
+        def along_axis(leaf: Any) -> torch.Tensor:
             if not isinstance(leaf, torch.Tensor):
                 raise TypeError(f"strategy.reduce(..., axis={axis}) needs tensors, got a "
                                 f"{type(leaf).__name__}.")
@@ -158,28 +161,29 @@ class ParameterServerStrategyExtended(CommunicatorReplicaExtended):
         return nest.map_structure(along_axis, value)
 
     # -- the scope: placement on the parameter servers ----------------------------------
-    def record_parameter(self, module, name, param):
+    def record_parameter(self, module: torch.nn.Module, name: str,
+                         param: torch.nn.Parameter) -> None:
         """Remembers a parameter registered in the scope; it is placed on a parameter server
         when the scope exits."""
         with self._lock:
             self._recorded.append((module, name, param))
 
-    def record_buffer(self, module, name):
+    def record_buffer(self, module: torch.nn.Module, name: str) -> None:
         """Buffers are not placed: they stay in the chief's module, and a scheduled function
         gets them with the module (each worker updates its own copy, as in TensorFlow, where
         non-variable state is per worker)."""
 
-    def record_variable(self, variable):
+    def record_variable(self, variable: Variable) -> None:
         """Nothing to record: ``ts.Variable`` in this scope is made by `create_variable`
         (placed at once), and `check_variable`, which ``ts.Variable`` calls before this,
         refuses every other kind."""
 
-    def synchronize_mirrored_state(self):
+    def synchronize_mirrored_state(self) -> None:
         """Places the parameters registered in the scope on the parameter servers (at scope
         exit, and before ``run``)."""
         with self._lock:
             recorded, self._recorded = self._recorded, []
-        creations = []
+        creations: list[tuple[str, Any]] = []
         for module, name, param in recorded:
             if param in self._layouts:
                 continue
@@ -191,7 +195,8 @@ class ParameterServerStrategyExtended(CommunicatorReplicaExtended):
             self._hook(module)
         remote.wait(creations)
 
-    def _place(self, value, name, trainable, embedding=False):
+    def _place(self, value: torch.Tensor, name: str, trainable: bool, embedding: bool = False
+               ) -> tuple[remote.Layout, list[tuple[str, Any]]]:
         shape, dtype = tuple(value.shape), value.dtype
         shards = partitioners.num_shards_for(self._partitioner, shape, dtype)
         key = f"{self._prefix}/{next(self._counter)}/{name}"
@@ -215,7 +220,7 @@ class ParameterServerStrategyExtended(CommunicatorReplicaExtended):
                  for s, part in zip(layout.shards, remote.split_rows(layout, value))]
         return layout, calls
 
-    def _hook(self, module):
+    def _hook(self, module: torch.nn.Module) -> None:
         """Registers, once, the hooks that keep `module`'s placed parameters in step with
         the servers; their handles live in the module's `module_state`."""
         hooked = module_state.attach(module, self)
@@ -226,11 +231,12 @@ class ParameterServerStrategyExtended(CommunicatorReplicaExtended):
             module.register_state_dict_pre_hook(_ChiefHook(self._pull_module)),
             module.register_load_state_dict_post_hook(_ChiefHook(self._push_module))]
 
-    def _own_placed(self, module):
+    def _own_placed(self, module: torch.nn.Module
+                    ) -> list[tuple[torch.nn.Parameter, remote.Layout]]:
         return [(p, self._layouts[p]) for _, p in module.named_parameters(recurse=False)
                 if p in self._layouts]
 
-    def _pull_module(self, module, prefix, keep_vars):
+    def _pull_module(self, module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
         placed = self._own_placed(module)
         if placed:
             values_ = remote.read_full([layout for _, layout in placed])
@@ -238,21 +244,23 @@ class ParameterServerStrategyExtended(CommunicatorReplicaExtended):
                 for (param, _), value in zip(placed, values_):
                     param.copy_(value)
 
-    def _pull_before_forward(self, module, args):
+    def _pull_before_forward(self, module: torch.nn.Module, args: Any) -> None:
         self._pull_module(module, "", False)
 
-    def _push_module(self, module, incompatible_keys):
+    def _push_module(self, module: torch.nn.Module, incompatible_keys: Any) -> None:
         for param, layout in self._own_placed(module):
             remote.write_full(layout, param.detach().cpu())
 
-    def layout_of(self, tensor):
+    def layout_of(self, tensor: torch.Tensor) -> remote.Layout | None:
         """Where a parameter created in the scope lives (a `remote.Layout`), or None."""
         return self._layouts.get(tensor)
 
     # -- variables ---------------------------------------------------------------------------
-    def create_variable(self, initial_value, trainable=None, name=None, dtype=None,
-                        aggregation=VariableAggregation.NONE,
-                        synchronization=VariableSynchronization.AUTO):
+    def create_variable(self, initial_value: Any, trainable: bool | None = None,
+                        name: str | None = None, dtype: torch.dtype | None = None,
+                        aggregation: VariableAggregation | str = VariableAggregation.NONE,
+                        synchronization: VariableSynchronization | str =
+                        VariableSynchronization.AUTO) -> PSVariable:
         """``ts.Variable(...)`` in this strategy: a `PSVariable` (or `ShardedVariable`, as the
         partitioner says) held by the parameter servers.
 
@@ -275,18 +283,18 @@ class ParameterServerStrategyExtended(CommunicatorReplicaExtended):
         cls = ShardedVariable if layout.sharded else PSVariable
         return cls._from_layout(layout, name, aggregation, synchronization)
 
-    def check_variable(self, variable):
+    def check_variable(self, variable: Variable) -> None:
         if not isinstance(variable, PSVariable):
             raise TypeError(f"ParameterServerStrategy holds variables on parameter servers; "
                             f"a {type(variable).__name__} cannot be made in its scope. Use "
                             f"ts.Variable(...), which makes a PSVariable.")
 
-    def write_variable(self, variable, new_value):
+    def write_variable(self, variable: Variable, new_value: torch.Tensor) -> None:
         self.check_variable(variable)
-        remote.write_full(variable.layout, new_value)
+        remote.write_full(cast(PSVariable, variable).layout, new_value)  # checked: a PSVariable
 
     # -- references for scheduled functions ---------------------------------------------
-    def reference(self, obj):
+    def reference(self, obj: object) -> tuple[Any, ...] | None:
         """What a scheduled function carries instead of `obj` when `obj` lives on the
         parameter servers: ``("param", layout)`` for a parameter made in the scope, the
         optimizer reference for an optimizer over such parameters (its copies on the
@@ -306,12 +314,13 @@ class ParameterServerStrategyExtended(CommunicatorReplicaExtended):
             return known.reference()
         return None
 
-    def _register_optimizer(self, optimizer):
+    def _register_optimizer(self, optimizer: torch.optim.Optimizer
+                            ) -> optimizers.RemoteOptimizer:
         """On an optimizer's first schedule: builds its copies on the parameter servers
         (see `optimizers.RemoteOptimizer`)."""
-        groups = []
+        groups: list[list[remote.Layout]] = []
         for group in optimizer.param_groups:
-            layouts = []
+            layouts: list[remote.Layout] = []
             for param in group["params"]:
                 layout = self._layouts.get(param)
                 if layout is None:
@@ -334,21 +343,21 @@ class _ChiefHook:
     """A module hook that syncs with the parameter servers on the chief. Sent to a worker
     inside a module, it becomes a no-op (the worker's copy is refreshed per closure)."""
 
-    def __init__(self, fn):
+    def __init__(self, fn: Callable[..., Any]) -> None:
         self._fn = fn
 
-    def __call__(self, *args):
+    def __call__(self, *args: Any) -> Any:
         return self._fn(*args)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (_worker_side_hook, ())
 
 
-def _noop_hook(*args):
+def _noop_hook(*args: Any) -> None:
     return None
 
 
-def _worker_side_hook():
+def _worker_side_hook() -> Callable[..., None]:
     return _noop_hook
 
 
@@ -382,9 +391,10 @@ class ParameterServerStrategy(Strategy):
       TimeoutError: naming the tasks that did not start in time.
     """
 
-    def __init__(self, cluster_resolver, variable_partitioner=None,
-                 rpc_timeout=rpc_world.DEFAULT_RPC_TIMEOUT_SECONDS,
-                 startup_timeout=rpc_world.DEFAULT_STARTUP_TIMEOUT_SECONDS):
+    def __init__(self, cluster_resolver: ClusterResolver,
+                 variable_partitioner: Callable[..., Any] | None = None,
+                 rpc_timeout: float = rpc_world.DEFAULT_RPC_TIMEOUT_SECONDS,
+                 startup_timeout: float = rpc_world.DEFAULT_STARTUP_TIMEOUT_SECONDS) -> None:
         if not isinstance(cluster_resolver, ClusterResolver):
             raise TypeError(
                 f"cluster_resolver must be a ts.cluster_resolver.ClusterResolver describing "
@@ -418,20 +428,25 @@ class ParameterServerStrategy(Strategy):
                                                          variable_partitioner))
 
     @property
-    def cluster_resolver(self):
+    def extended(self) -> ParameterServerStrategyExtended:
+        """This strategy's `ParameterServerStrategyExtended` (what the coordinator uses)."""
+        return cast(ParameterServerStrategyExtended, self._extended)
+
+    @property
+    def cluster_resolver(self) -> ClusterResolver:
         return self._cluster_resolver
 
     @property
-    def variable_partitioner(self):
-        return self._extended.variable_partitioner
+    def variable_partitioner(self) -> Callable[..., Any] | None:
+        return self.extended.variable_partitioner
 
-    def __repr__(self):
-        ext = self._extended
+    def __repr__(self) -> str:
+        ext = self.extended
         return (f"ParameterServerStrategy(workers={len(ext.worker_devices)}, "
                 f"ps={len(ext.parameter_devices)})")
 
 
-def _wait_for_cluster(membership, timeout):
+def _wait_for_cluster(membership: rpc_world.Membership, timeout: float) -> None:
     spec = membership.spec
     expected = {rpc_world.task_name(job, i) for job in ("worker", "ps")
                 for i in spec.task_indices(job)}

@@ -8,6 +8,8 @@ each strategy implements every abstract method below, in full, and nothing else 
 package reaches into a strategy's private attributes. A new strategy is a new module with
 a `Strategy` subclass (its constructor and properties) and a `StrategyExtended` subclass.
 """
+from __future__ import annotations
+
 import abc
 import contextlib
 import dataclasses
@@ -15,14 +17,20 @@ import logging
 import numbers
 import threading
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
 from torchstrategy import _compat, context, mirroring, nest, values
 from torchstrategy import ownership
+from torchstrategy.cluster_resolver import ClusterResolver
 from torchstrategy.collectives.communicator import Communicator
+from torchstrategy.collectives.cross_device_ops import CrossDeviceOps
 from torchstrategy.collectives.stats import ReductionStats
+from torchstrategy.communication_options import CommunicationOptions
+from torchstrategy.input.contexts import InputContext, InputOptions, ValueContext
+from torchstrategy.replica_context import ReplicaContext
+from torchstrategy.run_options import RunOptions
 from torchstrategy.devices import parse_device
 from torchstrategy.reduce_op import ReduceOp, as_mean_input, as_reduce_op
 from torchstrategy.run_options import check_run_options
@@ -48,7 +56,7 @@ class StrategyExtended(abc.ABC):
     #: then divides by the global batch without multiplying by the replica count.
     traces_global_batch = False
 
-    def __init__(self, container):
+    def __init__(self, container: Strategy) -> None:
         self._container = container
         self._scope_depth = threading.local()
         # What the scope recorded (the default `record_*` methods below); strategies that
@@ -61,149 +69,157 @@ class StrategyExtended(abc.ABC):
     # -- facts ---------------------------------------------------------------------------
     @property
     @abc.abstractmethod
-    def replica_id(self):
+    def replica_id(self) -> int:
         """The replica id of this process's (first) replica; 0 is the chief's."""
 
     @property
     @abc.abstractmethod
-    def num_replicas_in_sync(self):
+    def num_replicas_in_sync(self) -> int:
         """The number of replicas taking part in each step, across all machines."""
 
     @property
     @abc.abstractmethod
-    def worker_devices(self):
+    def worker_devices(self) -> tuple[Any, ...]:
         """The `torch.device`s of the replicas this process runs."""
 
     @property
     @abc.abstractmethod
-    def parameter_devices(self):
+    def parameter_devices(self) -> tuple[Any, ...]:
         """The devices parameters live on."""
 
     @property
     @abc.abstractmethod
-    def torch_device(self):
+    def torch_device(self) -> torch.device | None:
         """The device this process's replica computes on (None: nothing is placed)."""
 
     @property
     @abc.abstractmethod
-    def communicator(self):
+    def communicator(self) -> Communicator:
         """Collectives among the processes of this strategy (a world of one process
         where the user's program runs alone, as on a parameter-server chief)."""
 
     @property
-    def is_chief(self):
+    def is_chief(self) -> bool:
         """True in the one process that writes checkpoints, logs and progress bars."""
         return self.replica_id == 0
 
     @property
-    def should_checkpoint(self):
+    def should_checkpoint(self) -> bool:
         return self.is_chief
 
     @property
-    def should_save_summary(self):
+    def should_save_summary(self) -> bool:
         return self.is_chief
 
     @property
-    def experimental_require_static_shapes(self):
+    def experimental_require_static_shapes(self) -> bool:
         return False
 
     @property
-    def cross_device_ops(self):
+    def cross_device_ops(self) -> CrossDeviceOps | None:
         return getattr(self.communicator, "cross_device_ops", None)
 
     # -- running ---------------------------------------------------------------------------
     @abc.abstractmethod
-    def default_replica_context(self):
+    def default_replica_context(self) -> ReplicaContext:
         """The `ReplicaContext` code outside any ``run`` sees when this strategy is the
         default one (only the default strategy's is ever used)."""
 
     @abc.abstractmethod
-    def call_for_each_replica(self, fn, args, kwargs):
+    def call_for_each_replica(self, fn: Callable[..., Any], args: Sequence[Any],
+                              kwargs: Mapping[str, Any]) -> Any:
         """Runs ``fn(*args, **kwargs)`` for every replica this process runs, in replica
         context, and returns the result(s) as ``strategy.run`` returns them. Distributed
         values among the arguments are replaced by each replica's component."""
 
     # -- cross-replica reductions ------------------------------------------------------
     @abc.abstractmethod
-    def reduce_across_replicas(self, reduce_op, value, axis):
+    def reduce_across_replicas(self, reduce_op: ReduceOp | str, value: Any,
+                               axis: int | None) -> Any:
         """``strategy.reduce``: the reduced value, identical on every replica."""
 
     @abc.abstractmethod
-    def gather_across_replicas(self, value, axis):
+    def gather_across_replicas(self, value: Any, axis: int) -> Any:
         """``strategy.gather``: every replica's value concatenated along `axis`."""
 
     @abc.abstractmethod
-    def local_results(self, value):
+    def local_results(self, value: Any) -> tuple[Any, ...]:
         """``experimental_local_results``: this process's components, as a tuple."""
 
     @abc.abstractmethod
-    def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
+    def batch_reduce_to(self, reduce_op: ReduceOp | str,
+                        value_destination_pairs: Iterable[tuple[Any, Any]],
+                        options: CommunicationOptions | None = None) -> list[Any]:
         """Reduces many values at once (one fused collective per dtype); each result is
         placed on its destination (a device, a tensor whose device to use, or None)."""
 
-    def reduce_to(self, reduce_op, value, destinations, options=None):
+    def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any,
+                  options: CommunicationOptions | None = None) -> Any:
         """Reduces `value` across replicas and places it on `destinations`; returns a
         `Mirrored` (the plain value with one replica)."""
         return self.batch_reduce_to(reduce_op, [(value, destinations)], options)[0]
 
     # -- collectives in replica context -------------------------------------------------
     @abc.abstractmethod
-    def replica_all_reduce(self, reduce_op, value, options=None):
+    def replica_all_reduce(self, reduce_op: ReduceOp | str, value: Any,
+                           options: CommunicationOptions | None = None) -> Any:
         """``ReplicaContext.all_reduce``: the reduced value on every replica."""
 
     @abc.abstractmethod
-    def replica_all_gather(self, value, axis, options=None):
+    def replica_all_gather(self, value: Any, axis: int,
+                           options: CommunicationOptions | None = None) -> Any:
         """``ReplicaContext.all_gather``: the values of every replica along `axis`."""
 
     # -- the scope: placement and mirrored state -------------------------------------------
-    def scope_placement(self):
+    def scope_placement(self) -> ContextManager[Any]:
         """A context manager active inside ``scope()`` (e.g. the default device)."""
         return contextlib.nullcontext()
 
-    def record_parameter(self, module, name, param):
+    def record_parameter(self, module: torch.nn.Module, name: str,
+                         param: torch.nn.Parameter) -> None:
         """Called for every parameter registered on a module inside the scope; by default
         recorded in ``self._mirrored``, labelled ``Module.name`` for error messages."""
         self._mirrored.add_parameter(param, f"{type(module).__name__}.{name}")
 
-    def record_buffer(self, module, name):
+    def record_buffer(self, module: torch.nn.Module, name: str) -> None:
         """Called for every buffer registered on a module inside the scope (by default
         recorded in ``self._mirrored``)."""
         self._mirrored.add_buffer(module, name)
 
-    def record_variable(self, variable):
+    def record_variable(self, variable: Variable) -> None:
         """Called for every ``ts.Variable`` created inside the scope (by default its tensor
         is recorded in ``self._mirrored``, as a parameter when trainable)."""
         self._mirrored.add_tensor(variable.tensor, variable.trainable,
                                   f"Variable {variable.name!r}")
 
     @abc.abstractmethod
-    def synchronize_mirrored_state(self):
+    def synchronize_mirrored_state(self) -> None:
         """Makes what the scope recorded identical on every replica (replica 0's values)
         and ready for training; called at scope exit and before each ``run``."""
 
     # -- variables ---------------------------------------------------------------------
-    def create_variable(self, *args, **kwargs):
+    def create_variable(self, *args: Any, **kwargs: Any) -> Variable | None:
         """The variable ``ts.Variable(*args, **kwargs)`` makes in this strategy's scope,
         or None to make the usual `MirroredVariable` / `SyncOnReadVariable`."""
         return None
 
-    def check_variable(self, variable):
+    def check_variable(self, variable: Variable) -> None:
         """Raises if this strategy cannot hold `variable` (called when it is created)."""
 
-    def write_variable(self, variable, new_value):
+    def write_variable(self, variable: Variable, new_value: torch.Tensor) -> None:
         """Writes a variable's (already aggregated) new value into its tensor (by default
         in place, converted to the tensor's dtype and device)."""
         tensor = variable.tensor
         with torch.no_grad():
             tensor.copy_(torch.as_tensor(new_value, dtype=tensor.dtype, device=tensor.device))
 
-    def created_variable(self, variable):
+    def created_variable(self, variable: Variable) -> None:
         """Called for every ``ts.Variable`` made while this strategy is the current one (in
         its scope or inside its ``run``): remembered (weakly) for `value_container` and
         `variable_created_in_scope`."""
         self._variables.add(variable)
 
-    def variable_created_in_scope(self, v):
+    def variable_created_in_scope(self, v: Any) -> bool:
         """True if `v` (a ``ts.Variable``, or a parameter, buffer or tensor) was created in
         this strategy's scope: a ``ts.Variable`` made under it, a parameter or buffer of a
         module built in ``scope()``, or a variable's tensor (tf.distribute's
@@ -216,7 +232,7 @@ class StrategyExtended(abc.ABC):
             return False
         return self._mirrored.is_parameter(v) or any(b is v for b in self._mirrored.buffers())
 
-    def value_container(self, value):
+    def value_container(self, value: Any) -> Any:
         """The container `value` belongs to: the ``ts.Variable`` whose tensor `value` is, or
         `value` itself (tf.distribute's ``extended.value_container``; nothing else is
         wrapped here, so a parameter is its own container)."""
@@ -225,7 +241,7 @@ class StrategyExtended(abc.ABC):
             return known
         return value
 
-    def colocate_vars_with(self, colocate_with_variable):
+    def colocate_vars_with(self, colocate_with_variable: Any) -> ContextManager[Any]:
         """A context manager: variables and modules created inside go where
         `colocate_with_variable` lives (tf.distribute's ``extended.colocate_vars_with``).
 
@@ -240,7 +256,8 @@ class StrategyExtended(abc.ABC):
                 "Create it inside `with strategy.scope():` first.")
         return _placed_on(colocate_with_variable.device)
 
-    def update(self, var, fn, args=(), kwargs=None, group=True):
+    def update(self, var: Any, fn: Callable[..., Any], args: Sequence[Any] = (),
+               kwargs: Mapping[str, Any] | None = None, group: bool = True) -> Any:
         """Runs ``fn(var, *args, **kwargs)`` once per copy of `var` this process holds (one
         here: a variable is one tensor per process), without recording gradients, and
         returns its result (tf.distribute's ``extended.update``). Distributed values in
@@ -270,7 +287,7 @@ class StrategyExtended(abc.ABC):
             result = fn(var, *args, **kwargs)
         return result if group else (result,)
 
-    def broadcast_to(self, tensor, destinations):
+    def broadcast_to(self, tensor: torch.Tensor, destinations: Any) -> Any:
         """`tensor` on `destinations`, the same on every replica: in a strategy of several
         processes replica 0's value is sent to the others (a plain tensor outside ``run``
         is each process's own); returns a `Mirrored` (the tensor with one replica).
@@ -288,28 +305,29 @@ class StrategyExtended(abc.ABC):
 
     # -- input -------------------------------------------------------------------------
     @abc.abstractmethod
-    def distribute_dataset(self, dataset, options):
+    def distribute_dataset(self, dataset: Iterable[Any], options: InputOptions | None) -> Any:
         """``experimental_distribute_dataset``: replica r iterates slice r of each global
         batch."""
 
     @abc.abstractmethod
-    def distribute_datasets_from_function(self, dataset_fn, options):
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Any],
+                                          options: InputOptions | None) -> Any:
         """``distribute_datasets_from_function``: ``dataset_fn(InputContext)`` builds each
         input pipeline."""
 
     @abc.abstractmethod
-    def distribute_values_from_function(self, value_fn):
+    def distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
         """``experimental_distribute_values_from_function``: ``value_fn(ValueContext)`` per
         local replica, as a `PerReplica`."""
 
     # -- optional capabilities -------------------------------------------------------------
-    def check_run_options(self, options):
+    def check_run_options(self, options: RunOptions | None) -> RunOptions:
         """Returns the `RunOptions` of a ``run`` after refusing what this strategy cannot
         honour (see `torchstrategy.run_options`)."""
         return check_run_options(options, type(self._container).__name__)
 
     @contextlib.contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally, with no communication; the
         next backward outside sums everything accumulated since across replicas (DDP's
         ``no_sync``, for gradient accumulation). Where gradients are not communicated
@@ -317,13 +335,14 @@ class StrategyExtended(abc.ABC):
         yield
 
     @property
-    def backward_replicas_outside_run(self):
+    def backward_replicas_outside_run(self) -> int:
         """How many replicas a ``backward()`` outside ``run`` sums gradients over (a
         DDP-style loop): loss scaling outside ``run`` divides by it. 1 by default: gradients
         are communicated only inside ``run``."""
         return 1
 
-    def adopt(self, module, optimizer=None):
+    def adopt(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+              ) -> torch.nn.Module:
         """``strategy.adopt``: brings a module built outside the scope (and its optimizer)
         under this strategy, as if created in its scope; returns `module`.
 
@@ -334,18 +353,18 @@ class StrategyExtended(abc.ABC):
             f"{type(self._container).__name__} cannot adopt a module built outside its "
             "scope: create the module (and its optimizer) inside `with strategy.scope():`.")
 
-    def host_copy(self, obj):
+    def host_copy(self, obj: Any) -> Any:
         """`obj` as a checkpoint stores it: tensors readable without this strategy's
         devices (TPUStrategy copies XLA tensors to the host); identity by default."""
         return obj
 
     @property
-    def shards_parameters(self):
+    def shards_parameters(self) -> bool:
         """True when each replica holds only a shard of the parameters created in scope
         (ShardedStrategy): checkpoints then go through `state_dict_for_checkpoint`."""
         return False
 
-    def state_dict_for_checkpoint(self, obj, model=None):
+    def state_dict_for_checkpoint(self, obj: Any, model: torch.nn.Module | None = None) -> Any:
         """What a single-file checkpoint (`BackupAndRestore`, Lightning's) stores for `obj`.
 
         Every replica calls it at the same point (a strategy that shards parameters gathers
@@ -354,7 +373,8 @@ class StrategyExtended(abc.ABC):
         needs it to name them (ShardedStrategy)."""
         return obj.state_dict()
 
-    def load_state_dict_from_checkpoint(self, obj, state_dict, model=None):
+    def load_state_dict_from_checkpoint(self, obj: Any, state_dict: Any,
+                                        model: torch.nn.Module | None = None) -> None:
         """Loads into `obj` what `state_dict_for_checkpoint` returned on the chief; every
         replica calls it with that same state. By default ``obj.load_state_dict(state_dict)``.
         """
@@ -423,12 +443,12 @@ class StrategyExtended(abc.ABC):
         (LR schedulers refer to it): a strategy that partitions optimizer state changes it
         in place. By default nothing changes."""
 
-    def synchronize_buffers(self):
+    def synchronize_buffers(self) -> None:
         """Makes mirrored buffers (BatchNorm statistics) identical on every replica; the
         strategy calls it after each ``run``, an adapter driving its own loop (Lightning)
         after each optimizer step."""
 
-    def stats(self):
+    def stats(self) -> ReductionStats:
         """What the gradient reduction did in the last synchronised ``backward()``, as a
         `ReductionStats`; all zeros where nothing is communicated."""
         return ReductionStats(num_parameters=0)
@@ -465,22 +485,22 @@ class Strategy:
             total = strategy.reduce("SUM", loss, axis=None)
     """
 
-    def __init__(self, extended):
+    def __init__(self, extended: StrategyExtended) -> None:
         if not isinstance(extended, StrategyExtended):
             raise TypeError(f"a Strategy needs a StrategyExtended, got {extended!r}.")
         self._extended = extended
 
     @property
-    def extended(self):
+    def extended(self) -> StrategyExtended:
         return self._extended
 
     @property
-    def num_replicas_in_sync(self):
+    def num_replicas_in_sync(self) -> int:
         """The number of replicas that take part in each step (across all machines)."""
         return self._extended.num_replicas_in_sync
 
     @property
-    def cluster_resolver(self):
+    def cluster_resolver(self) -> ClusterResolver | None:
         return None
 
     @classmethod
@@ -503,7 +523,7 @@ class Strategy:
 
     # -- scope ---------------------------------------------------------------------------
     @contextlib.contextmanager
-    def scope(self):
+    def scope(self) -> Iterator[Strategy]:
         """Context in which parameters, buffers and ``ts.Variable``s become mirrored.
 
         Inside, modules are created on the replica's device; every parameter and buffer
@@ -527,7 +547,8 @@ class Strategy:
         if depth == 0 and not context.in_run():
             ext.synchronize_mirrored_state()
 
-    def adopt(self, module, optimizer=None):
+    def adopt(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+              ) -> torch.nn.Module:
         """Brings `module`, built outside ``scope()``, under this strategy with the
         guarantees of building it inside (DDP's ``DistributedDataParallel(model)``,
         without a wrapper): it is moved to the replica's device, replicas check that they
@@ -547,7 +568,8 @@ class Strategy:
         return self._extended.adopt(module, optimizer)
 
     # -- run -----------------------------------------------------------------------------
-    def run(self, fn, args=(), kwargs=None, options=None):
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (),
+            kwargs: Mapping[str, Any] | None = None, options: RunOptions | None = None) -> Any:
         """Runs ``fn(*args, **kwargs)`` on this process's replica(s), in replica context.
 
         Distributed values among the arguments are replaced by each replica's component.
@@ -584,7 +606,7 @@ class Strategy:
         return self._extended.call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
 
     # -- cross-replica operations ---------------------------------------------------------
-    def reduce(self, reduce_op, value, axis=None):
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         """Reduces a per-replica value (or nested structure) across replicas.
 
         Args:
@@ -625,31 +647,35 @@ class Strategy:
                                     for i, leaf in enumerate(leaves)])
         return self._extended.reduce_across_replicas(op, _mean_inputs(op, value), axis)
 
-    def gather(self, value, axis):
+    def gather(self, value: Any, axis: int) -> Any:
         """Concatenates a per-replica value from every replica along `axis`, in replica
         order; sizes along `axis` may differ between replicas."""
         _require_cross_replica("gather")
         _check_axis_argument(axis, "gather", allow_none=False)
         return self._extended.gather_across_replicas(value, axis)
 
-    def experimental_local_results(self, value):
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """The components of `value` held by this process, as a tuple (one per local
         replica); a nested structure gives a tuple of structures."""
         return self._extended.local_results(value)
 
     # -- input ---------------------------------------------------------------------------
-    def experimental_distribute_dataset(self, dataset, options=None):
+    def experimental_distribute_dataset(self, dataset: Iterable[Any],
+                                        options: InputOptions | None = None) -> Any:
         """Distributes an iterable of *global* batches: replica r gets slice r of each.
 
         See `torchstrategy.input.distributed_dataset.DistributedDataset`.
         """
         return self._extended.distribute_dataset(dataset, options)
 
-    def distribute_datasets_from_function(self, dataset_fn, options=None):
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Any],
+                                          options: InputOptions | None = None) -> Any:
         """Calls ``dataset_fn(ts.InputContext)`` to build each replica's input pipeline."""
         return self._extended.distribute_datasets_from_function(dataset_fn, options)
 
-    def experimental_distribute_datasets_from_function(self, dataset_fn, options=None):
+    def experimental_distribute_datasets_from_function(
+            self, dataset_fn: Callable[[InputContext], Any],
+            options: InputOptions | None = None) -> Any:
         """Deprecated alias of `distribute_datasets_from_function` (TensorFlow 2.0-2.3's
         name): warns with a DeprecationWarning, then does the same."""
         warnings.warn("strategy.experimental_distribute_datasets_from_function is "
@@ -658,19 +684,22 @@ class Strategy:
                       DeprecationWarning, stacklevel=2)
         return self.distribute_datasets_from_function(dataset_fn, options)
 
-    def experimental_run_v2(self, fn, args=(), kwargs=None, options=None):
+    def experimental_run_v2(self, fn: Callable[..., Any], args: Sequence[Any] = (),
+                            kwargs: Mapping[str, Any] | None = None,
+                            options: RunOptions | None = None) -> Any:
         """Deprecated alias of `run` (TensorFlow 2.0-2.1's name): warns with a
         DeprecationWarning, then does the same."""
         warnings.warn("strategy.experimental_run_v2 is deprecated (as in TensorFlow): call "
                       "strategy.run instead.", DeprecationWarning, stacklevel=2)
         return self.run(fn, args, kwargs, options)
 
-    def experimental_distribute_values_from_function(self, value_fn):
+    def experimental_distribute_values_from_function(
+            self, value_fn: Callable[[ValueContext], Any]) -> Any:
         """Calls ``value_fn(ts.ValueContext)`` for each local replica; returns a
         `PerReplica`."""
         return self._extended.distribute_values_from_function(value_fn)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"
 
 
@@ -704,7 +733,7 @@ def check_trainer_replicas(strategy: Strategy, devices: Sequence[torch.device],
             f"{strategy.num_replicas_in_sync}.{advice}")
 
 
-def _check_not_mixing(strategy):
+def _check_not_mixing(strategy: Strategy) -> None:
     active = context.active_non_default_strategy()
     if active is not None and active is not strategy:
         raise RuntimeError(f"Mixing different strategies is not allowed: {active!r} is "
@@ -712,7 +741,7 @@ def _check_not_mixing(strategy):
                            "the first strategy's scope before using another.")
 
 
-def _require_cross_replica(name, instead=None):
+def _require_cross_replica(name: str, instead: str | None = None) -> None:
     # Replica context of a run (merge_call's merge_fn runs in cross-replica context, where
     # strategy.reduce / gather are allowed, as in TensorFlow).
     if context.get_replica_context() is not None and context.in_run():
@@ -722,12 +751,13 @@ def _require_cross_replica(name, instead=None):
                            f"(outside strategy.run). Inside run, use {instead}.")
 
 
-def _is_number(leaf):
+def _is_number(leaf: Any) -> bool:
     """A Python (or numpy) number: one value for every replica, not a distributed one."""
     return isinstance(leaf, numbers.Number) and not isinstance(leaf, torch.Tensor)
 
 
-def _check_number_reducible(op, number, index, num_replicas):
+def _check_number_reducible(op: ReduceOp, number: Any, index: int, num_replicas: int
+                            ) -> None:
     """TensorFlow's rule for reducing a non-distributed value (``reduce_non_distributed_
     value``): 0 and MEAN give it back, SUM needs a single replica."""
     if op is ReduceOp.SUM and num_replicas > 1 and number != 0:
@@ -739,13 +769,13 @@ def _check_number_reducible(op, number, index, num_replicas):
             "tensor: strategy.reduce('SUM', torch.tensor(x)).")
 
 
-def _mean_inputs(op, structure):
+def _mean_inputs(op: ReduceOp, structure: Any) -> Any:
     """For MEAN, integer tensors (and integer components of PerReplica / Mirrored values)
     converted to the floating dtype their mean has; anything else unchanged."""
     if op is not ReduceOp.MEAN:
         return structure
 
-    def convert(leaf):
+    def convert(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
             return as_mean_input(op, leaf)
         if type(leaf) in (values.PerReplica, values.Mirrored) and any(
@@ -758,14 +788,14 @@ def _mean_inputs(op, structure):
     return nest.map_structure(convert, structure)
 
 
-def _placed_on(device):
+def _placed_on(device: Any) -> ContextManager[Any]:
     """Inside, torch creates tensors on `device` (nothing changes for the CPU, torch's
     default)."""
     device = torch.device(device)
     return contextlib.nullcontext() if device.type == "cpu" else device
 
 
-def _destination_device(destinations):
+def _destination_device(destinations: Any) -> torch.device | None:
     """The `torch.device` a ``broadcast_to`` destination names (None: stay where it is)."""
     if destinations is None:
         return None
@@ -777,7 +807,7 @@ def _destination_device(destinations):
     return parse_device(destinations).torch_device
 
 
-def _check_axis_argument(axis, name, allow_none):
+def _check_axis_argument(axis: Any, name: str, allow_none: bool) -> None:
     if axis is None and allow_none:
         return
     if isinstance(axis, bool) or not isinstance(axis, int):
