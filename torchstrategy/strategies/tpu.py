@@ -21,18 +21,22 @@ Semantics that follow from tracing one program for all replicas:
 
 torch_xla is imported when a TPUStrategy is created, never by ``import torchstrategy``.
 """
+from __future__ import annotations
+
+from typing import Any, Callable, ContextManager, Iterable, Mapping, Sequence
 import torch
 
 from torchstrategy import _compat, context, mirroring, nest, runtime, values
 from torchstrategy.cluster_resolver.tpu import TPUClusterResolver
 from torchstrategy.collectives.communicator import Communicator
 from torchstrategy.collectives.cross_device_ops import NcclAllReduce
-from torchstrategy.communication_options import require_default_options
-from torchstrategy.input.contexts import ValueContext
+from torchstrategy.cluster_resolver.base import ClusterResolver
+from torchstrategy.communication_options import CommunicationOptions, require_default_options
+from torchstrategy.input.contexts import InputContext, InputOptions, ValueContext
 from torchstrategy.launch import world as world_lib
 from torchstrategy.reduce_op import ReduceOp, as_mean_input, as_reduce_op
 from torchstrategy.replica_context import ReplicaContext
-from torchstrategy.run_options import check_run_options
+from torchstrategy.run_options import RunOptions, check_run_options
 from torchstrategy.strategies.base import MetricSync, Strategy, StrategyExtended, logger
 from torchstrategy.strategies.spmd import destination_device
 from torchstrategy.xla import require_torch_xla
@@ -53,7 +57,8 @@ class TPUExtended(StrategyExtended):
     # whole global batch, not one replica's slice.
     traces_global_batch = True
 
-    def __init__(self, container, mesh, communicator, steps_per_execution):
+    def __init__(self, container: Strategy, mesh: DataMesh, communicator: Communicator,
+                 steps_per_execution: int) -> None:
         super().__init__(container)
         self._comm = communicator
         self.mesh = mesh
@@ -62,36 +67,36 @@ class TPUExtended(StrategyExtended):
 
     # -- facts ---------------------------------------------------------------------------
     @property
-    def replica_id(self):
+    def replica_id(self) -> int:
         """The id of the first replica (device) this process drives: 0 on host 0."""
         return self.mesh.process_index * self.mesh.num_local_devices
 
     @property
-    def num_replicas_in_sync(self):
+    def num_replicas_in_sync(self) -> int:
         return self.mesh.num_devices
 
     @property
-    def worker_devices(self):
+    def worker_devices(self) -> tuple[torch.device, ...]:
         return (self.mesh.device,)
 
     @property
-    def parameter_devices(self):
+    def parameter_devices(self) -> tuple[torch.device, ...]:
         """The XLA device parameters are replicated over (every device holds a copy)."""
         return (self.mesh.device,)
 
     @property
-    def torch_device(self):
+    def torch_device(self) -> torch.device:
         """torch_xla's SPMD device: tensors on it are global, placed over the whole mesh."""
         return self.mesh.device
 
     @property
-    def communicator(self):
+    def communicator(self) -> Communicator:
         """Host-side collectives among the hosts' processes (checkpoint barriers, seeds);
         the devices' collectives are inside the XLA program."""
         return self._comm
 
     @property
-    def experimental_require_static_shapes(self):
+    def experimental_require_static_shapes(self) -> bool:
         return True  # a new batch shape is a new XLA compilation
 
     @property
@@ -106,29 +111,30 @@ class TPUExtended(StrategyExtended):
         return MetricSync()
 
     @property
-    def pending_steps(self):
+    def pending_steps(self) -> int:
         """Steps traced since the graph was last cut (0 right after an execution
         started)."""
         return self._pending_steps
 
     # -- running ---------------------------------------------------------------------------
-    def default_replica_context(self):
+    def default_replica_context(self) -> ReplicaContext:
         return self._replica_context()
 
-    def _replica_context(self):
+    def _replica_context(self) -> ReplicaContext:
         # One traced program stands for every replica at once, seeing global tensors (see
         # the module docstring): replica 0, whose all_reduce / all_gather return their
         # argument (`replica_all_reduce`).
         return ReplicaContext(self._container, 0, self.mesh.device)
 
-    def check_run_options(self, options):
+    def check_run_options(self, options: RunOptions | None) -> RunOptions:
         """Refuses what torch_xla cannot honour. ``experimental_xla_options``: torch_xla has
         no per-execution compiler options (XLA flags are read once, from $XLA_FLAGS, when
         its runtime starts), so it is refused. ``experimental_enable_dynamic_batch_size=
         False`` is honoured: torch_xla always compiles for the static shapes it traces."""
         return check_run_options(options, "TPUStrategy", compiles_with_xla=True)
 
-    def call_for_each_replica(self, fn, args, kwargs):
+    def call_for_each_replica(self, fn: Callable[..., Any], args: Sequence[Any],
+                              kwargs: Mapping[str, Any]) -> Any:
         """Traces ``fn(*args, **kwargs)`` once for all replicas, over global tensors.
 
         `GlobalValue` arguments (batches from the distributed dataset) are passed as their
@@ -147,7 +153,7 @@ class TPUExtended(StrategyExtended):
         self.synchronize_buffers()
         return self.wrap_global(result)
 
-    def synchronize_buffers(self):
+    def synchronize_buffers(self) -> None:
         """The end of a step. Buffers (BatchNorm statistics) are global tensors, identical
         on every device by construction (those of the global batch); what a step boundary
         does here is cut the traced graph every `steps_per_execution` steps: XLA then
@@ -157,14 +163,14 @@ class TPUExtended(StrategyExtended):
         if self._pending_steps >= self.steps_per_execution:
             self.flush()
 
-    def flush(self):
+    def flush(self) -> None:
         """Starts the execution of every step traced so far (asynchronous)."""
         import torch_xla  # optional dependency: present whenever a TPUStrategy exists
 
         torch_xla.sync()
         self._pending_steps = 0
 
-    def materialize(self):
+    def materialize(self) -> None:
         """Runs everything traced so far and waits for the devices."""
         import torch_xla.core.xla_model as xm  # optional dependency (see flush)
 
@@ -172,12 +178,12 @@ class TPUExtended(StrategyExtended):
         xm.wait_device_ops()
 
     # -- values --------------------------------------------------------------------------
-    def wrap_global(self, structure):
+    def wrap_global(self, structure: Any) -> Any:
         """Wraps every XLA tensor of `structure` in a `GlobalValue`."""
         return nest.map_structure(
             lambda leaf: GlobalValue(leaf, self) if is_xla(leaf) else leaf, structure)
 
-    def local_pieces(self, tensor):
+    def local_pieces(self, tensor: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         """``[(device ordinal, host copy of that device's piece)]`` for the local devices,
         in device order (rows of a split tensor without XLA's padding; copies of a
         replicated one)."""
@@ -191,11 +197,11 @@ class TPUExtended(StrategyExtended):
         pieces.sort(key=lambda piece: piece[0])
         return pieces
 
-    def to_program_input(self, structure):
+    def to_program_input(self, structure: Any) -> Any:
         """What the traced step receives for each leaf of `run`'s arguments: the global tensor
         of a `GlobalValue`; the concatenation (split along dim 0) of a several-component
         `PerReplica`; host tensors copied to every device (replicated)."""
-        def convert(leaf):
+        def convert(leaf: Any) -> Any:
             if isinstance(leaf, GlobalValue):
                 return leaf.tensor
             if isinstance(leaf, values.DistributedValues):
@@ -213,11 +219,11 @@ class TPUExtended(StrategyExtended):
             return leaf
         return nest.map_structure(convert, structure)
 
-    def _global_tensors(self, value, what):
+    def _global_tensors(self, value: Any, what: str) -> tuple[list[Any], Any]:
         """Leaves of `value` as global tensors, and the PerReplica leaves as lists of
         their components (genuinely per-replica values)."""
         leaves, spec = nest.flatten(value)
-        out = []
+        out: list[Any] = []   # a global tensor, or a PerReplica's list of components
         for index, leaf in enumerate(leaves):
             if isinstance(leaf, GlobalValue):
                 out.append(leaf.tensor)
@@ -234,7 +240,8 @@ class TPUExtended(StrategyExtended):
         return out, spec
 
     # -- cross-replica reductions ------------------------------------------------------
-    def reduce_across_replicas(self, reduce_op, value, axis):
+    def reduce_across_replicas(self, reduce_op: ReduceOp | str, value: Any,
+                               axis: int | None) -> Any:
         """A global value already covers every replica: with ``axis=None`` it is returned
         as it is; with `axis`, SUM / MEAN run along that axis of the global tensor. A
         `PerReplica` of several components is reduced over its components."""
@@ -256,7 +263,7 @@ class TPUExtended(StrategyExtended):
             out.append(leaf.sum(dim=axis) if op is ReduceOp.SUM else leaf.mean(dim=axis))
         return nest.pack(spec, out)
 
-    def gather_across_replicas(self, value, axis):
+    def gather_across_replicas(self, value: Any, axis: int) -> Any:
         """Every replica's piece concatenated along `axis`, in replica order. For a tensor
         split along `axis` that is the global tensor itself (nothing moves); otherwise the
         pieces are concatenated (a replicated value gives one copy per replica, as
@@ -288,18 +295,20 @@ class TPUExtended(StrategyExtended):
                                 f"{type(leaf).__name__}.")
         return nest.pack(spec, out)
 
-    def local_results(self, value):
+    def local_results(self, value: Any) -> tuple[Any, ...]:
         """The pieces of `value` on this host's devices, one per device, in device order
         (host copies; reading them runs any pending steps first). A structure gives one
         structure per local device."""
         n = self.mesh.num_local_devices
 
-        def piece(leaf, index):   # a leaf with another number of parts: its first
+        def piece(leaf: Any, index: int) -> Any:   # a leaf with another number of parts: its first
             parts = leaf.values
             return parts[index] if len(parts) == n else parts[0]
         return values.local_results(value, n, piece)
 
-    def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
+    def batch_reduce_to(self, reduce_op: ReduceOp | str,
+                        value_destination_pairs: Iterable[tuple[Any, Any]],
+                        options: CommunicationOptions | None = None) -> list[Any]:
         _refuse_options(options, "batch_reduce_to / reduce_to")
         results = []
         for value, destinations in value_destination_pairs:
@@ -312,27 +321,29 @@ class TPUExtended(StrategyExtended):
         return results
 
     # -- collectives in replica context -------------------------------------------------
-    def replica_all_reduce(self, reduce_op, value, options=None):
+    def replica_all_reduce(self, reduce_op: ReduceOp | str, value: Any,
+                           options: CommunicationOptions | None = None) -> Any:
         """Returns `value`: inside the SPMD program a tensor is already the global one
         (computed over every replica's rows), so there is nothing left to combine."""
         as_reduce_op(reduce_op)
         _refuse_options(options, "all_reduce")
         return value
 
-    def replica_all_gather(self, value, axis, options=None):
+    def replica_all_gather(self, value: Any, axis: int,
+                           options: CommunicationOptions | None = None) -> Any:
         """Returns `value`: a global tensor already holds every replica's rows."""
         _refuse_options(options, "all_gather")
         return value
 
     # -- the scope -----------------------------------------------------------------------
-    def scope_placement(self):
+    def scope_placement(self) -> ContextManager[Any]:
         """Modules and variables created in the scope are placed on the XLA device."""
         return self.mesh.device
 
     # record_parameter / record_buffer / record_variable: StrategyExtended's (into
     # self._mirrored).
 
-    def synchronize_mirrored_state(self):
+    def synchronize_mirrored_state(self) -> None:
         """Makes new parameters and buffers identical on every host (host 0's values; a
         no-op with one host) and computes them, so their initialisation is not traced into
         the first step.
@@ -358,17 +369,20 @@ class TPUExtended(StrategyExtended):
     # -- variables: write_variable is StrategyExtended's (in place) -----------------------
 
     # -- input -------------------------------------------------------------------------
-    def distribute_dataset(self, dataset, options):
+    def distribute_dataset(self, dataset: Iterable[Any], options: InputOptions | None
+                           ) -> TPUDistributedDataset:
         """Global batches split along dim 0 over the devices, copied ahead of use; see
         `torchstrategy.xla.input.TPUDistributedDataset`."""
         return TPUDistributedDataset(self._container, dataset, options)
 
-    def distribute_datasets_from_function(self, dataset_fn, options):
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Any],
+                                          options: InputOptions | None
+                                          ) -> TPUDistributedDatasetsFromFunction:
         """One pipeline per host of per-replica batches; see
         `torchstrategy.xla.input.TPUDistributedDatasetsFromFunction`."""
         return TPUDistributedDatasetsFromFunction(self._container, dataset_fn, options)
 
-    def distribute_values_from_function(self, value_fn):
+    def distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
         """``value_fn(ts.ValueContext)`` once per local device, as a `PerReplica` (passed to
         ``run`` as the components' concatenation along dim 0)."""
         first = self.replica_id
@@ -377,7 +391,7 @@ class TPUExtended(StrategyExtended):
         return values.wrap(parts, ids) if len(ids) > 1 else values.wrap(parts[0], ids)
 
     # -- optional capabilities -------------------------------------------------------------
-    def host_copy(self, obj):
+    def host_copy(self, obj: Any) -> Any:
         """`obj` with every XLA tensor copied to the host (what ``ts.checkpoint.save``
         writes, so the file loads anywhere, without torch_xla)."""
         if not any(is_xla(leaf) for leaf in nest.flatten(obj)[0]):
@@ -386,7 +400,7 @@ class TPUExtended(StrategyExtended):
         return nest.map_structure(lambda t: t.cpu() if is_xla(t) else t, obj)
 
 
-def _refuse_options(options, what):
+def _refuse_options(options: CommunicationOptions | None, what: str) -> None:
     """The devices' collectives are inside the XLA program (XLA chooses how they travel):
     only default options are accepted."""
     require_default_options(options, lambda o: (
@@ -394,12 +408,12 @@ def _refuse_options(options, what):
         "compiled into the XLA program, which decides how they travel, and inside run "
         "tensors are already global. Pass options=None."))
 
-def _check_axis(tensor, axis, index):
+def _check_axis(tensor: torch.Tensor, axis: int, index: int) -> None:
     nest.check_gatherable(tensor, axis, index)
     nest.check_axis(tensor, axis, index)
 
 
-def _split_only_along(sharding, axis):
+def _split_only_along(sharding: str, axis: int) -> bool:
     """True when torch_xla's sharding text splits the tensor along `axis` and nowhere else
     (e.g. "{devices=[4,1]0,1,2,3}" for axis 0)."""
     if not sharding.startswith("{devices=["):
@@ -434,7 +448,8 @@ class TPUStrategy(Strategy):
       RuntimeError: torch_xla's process count disagreeing with the cluster resolver's.
     """
 
-    def __init__(self, cluster_resolver=None, *, steps_per_execution=1, timeout_seconds=None):
+    def __init__(self, cluster_resolver: ClusterResolver | None = None, *,
+                 steps_per_execution: int = 1, timeout_seconds: float | None = None) -> None:
         require_torch_xla()
         if int(steps_per_execution) < 1:
             raise ValueError(f"steps_per_execution must be at least 1, got "
@@ -471,8 +486,8 @@ class TPUStrategy(Strategy):
                         f"{mesh.process_count} host(s), SPMD data parallelism")
 
     @property
-    def cluster_resolver(self):
+    def cluster_resolver(self) -> ClusterResolver:
         return self._cluster_resolver
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"TPUStrategy(num_replicas_in_sync={self.num_replicas_in_sync})"
