@@ -7,6 +7,8 @@ for a strategy therefore also runs without one.
 Importing this module registers the default strategy with `torchstrategy.context`, which
 itself knows no strategy class.
 """
+from __future__ import annotations
+
 import threading
 
 import torch
@@ -19,22 +21,22 @@ from torchstrategy.strategies.spmd import SPMDExtended
 
 
 class _DefaultStrategy(Strategy):
-    def __init__(self):
+    def __init__(self) -> None:
         communicator = Communicator(None, 0, 1, torch.device("cpu"), NcclAllReduce())
         super().__init__(SPMDExtended(self, communicator, None, place_in_scope=False))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return "DefaultStrategy()"
 
 
 class _DefaultStrategyHolder:
     """Makes the process-wide default strategy on first use (thread-safe)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._strategy = None
+        self._strategy: _DefaultStrategy | None = None
 
-    def get(self):
+    def get(self) -> _DefaultStrategy:
         with self._lock:
             if self._strategy is None:
                 self._strategy = _DefaultStrategy()
@@ -44,12 +46,13 @@ class _DefaultStrategyHolder:
 _holder = _DefaultStrategyHolder()
 
 
-def default_strategy():
+def default_strategy() -> Strategy:
     """The process-wide default strategy."""
     return _holder.get()
 
 
-def is_default(strategy):
+def is_default(strategy: Strategy) -> bool:
+    """True for the default strategy (`default_strategy`'s)."""
     return isinstance(strategy, _DefaultStrategy)
 
 

@@ -112,37 +112,37 @@ class MultiWorkerMirroredStrategy(Strategy):
                         + (f", {process.backend}" if world.world_size > 1 else ""))
 
     @property
-    def cluster_resolver(self):
+    def cluster_resolver(self) -> ClusterResolver:
         """The `ClusterResolver` this strategy was built from."""
         return self._resolver
 
     @property
-    def task_type(self):
+    def task_type(self) -> str | None:
         """This machine's job ("chief" or "worker"); None on a single machine without a
         cluster description, as in TensorFlow."""
         return self._resolver.task_type
 
     @property
-    def task_id(self):
+    def task_id(self) -> int | None:
         """This machine's index in its job; None without a cluster description."""
         return self._resolver.task_id
 
     @property
-    def worker_index(self):
+    def worker_index(self) -> int:
         """This machine's rank among the machines (0 is the chief's machine)."""
         return self._world.node_rank
 
     @property
-    def num_workers(self):
+    def num_workers(self) -> int:
         """The number of machines taking part."""
         return self._world.num_nodes
 
     @property
-    def communication_options(self):
+    def communication_options(self) -> CommunicationOptions:
         return self._options
 
     @property
-    def is_chief(self):
+    def is_chief(self) -> bool:
         """True in exactly one process of the cluster: the first replica of the chief task
         (the chief job, or worker 0 when there is no chief). Use it for one-off work:
         writing checkpoints and summaries, printing."""
@@ -165,6 +165,6 @@ class MultiWorkerMirroredStrategy(Strategy):
                                "processes per machine.")
         return strategy
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"MultiWorkerMirroredStrategy(num_workers={self.num_workers}, "
                 f"num_replicas_in_sync={self.num_replicas_in_sync})")

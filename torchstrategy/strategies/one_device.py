@@ -20,7 +20,7 @@ class OneDeviceStrategy(Strategy):
     switching to a distributed one.
     """
 
-    def __init__(self, device):
+    def __init__(self, device: str | torch.device) -> None:
         (parsed,) = parse_devices([device])
         torch_device = parsed.torch_device
         communicator = Communicator(None, 0, 1, torch_device, NcclAllReduce())
@@ -43,5 +43,5 @@ class OneDeviceStrategy(Strategy):
                 "devices=1, or use strategy='mirrored' for several devices.")
         return cls(devices[0])
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"OneDeviceStrategy(device={self._device_name!r})"
