@@ -7,15 +7,19 @@ reading the central parameters (see `central_reads`). Gradients are summed over 
 onto the parameter device when ``backward()`` ends, and ``optimizer.step()`` updates the
 central parameters once.
 """
+from __future__ import annotations
+
+from typing import Any, Callable, ContextManager, Iterable, Mapping, Sequence
+
 import torch
 
 from torchstrategy import context, nest, values
 from torchstrategy.aggregation import VariableAggregation
 from torchstrategy.collectives.communicator import Communicator
 from torchstrategy.collectives.cross_device_ops import NcclAllReduce
-from torchstrategy.communication_options import require_default_options
+from torchstrategy.communication_options import CommunicationOptions, require_default_options
 from torchstrategy.devices import default_local_devices, parse_device, parse_devices
-from torchstrategy.input.contexts import ValueContext
+from torchstrategy.input.contexts import InputContext, InputOptions, ValueContext
 from torchstrategy.input.per_host import PerHostDataset, PerHostDatasetsFromFunction
 from torchstrategy.launch import world as world_lib
 from torchstrategy.reduce_op import ReduceOp, as_reduce_op, check_mean_dtype
@@ -24,18 +28,21 @@ from torchstrategy.strategies import central_reads
 from torchstrategy.strategies.base import MetricSync, Strategy, StrategyExtended, logger
 from torchstrategy.strategies.replica_threads import ReplicaGroup, run_replicas
 from torchstrategy.strategies.spmd import destination_device, device_guard, placement_scope
-from torchstrategy.variables import SyncOnReadVariable
+from torchstrategy.variables import SyncOnReadVariable, Variable
 
 
-def _sum_in_order(tensors, device):
-    total = None
+def _sum_in_order(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    total: torch.Tensor | None = None
     for t in tensors:
         t = t.to(device)
         total = t.clone() if total is None else total.add_(t)
+    if total is None:
+        raise ValueError("no replica gave a value to reduce")
     return total
 
 
-def _reduce_components(op, components, device):
+def _reduce_components(op: ReduceOp, components: Sequence[torch.Tensor],
+                       device: torch.device) -> torch.Tensor:
     """SUM or MEAN of per-replica tensors, added in replica order on `device`."""
     total = _sum_in_order(components, device)
     if op is ReduceOp.MEAN:
@@ -52,37 +59,47 @@ class _ThreadCommunicator:
     operation is local.
     """
 
-    def __init__(self, parameter_device):
+    def __init__(self, parameter_device: torch.device) -> None:
         self.device = parameter_device
         self.cross_device_ops = NcclAllReduce()
         # Cross-replica code: the process holds one value, a world of one.
         self._alone = Communicator(None, 0, 1, parameter_device, self.cross_device_ops)
 
     @staticmethod
-    def _replica():
+    def _replica() -> central_reads.ReplicaReads | None:
         return central_reads.current_replica()
 
     @property
-    def rank(self):
+    def rank(self) -> int:
+        """This thread's replica id (0 in cross-replica code)."""
         replica = self._replica()
         return 0 if replica is None else replica.replica_id
 
     @property
-    def world_size(self):
+    def world_size(self) -> int:
+        """The replicas of the run (1 in cross-replica code)."""
         replica = self._replica()
         return 1 if replica is None else len(replica.session.replicas)
 
     @staticmethod
-    def _meet(replica, what, value, action):
+    def _meet(replica: central_reads.ReplicaReads, what: str, value: Any,
+              action: Callable[[list[Any]], Any] | None) -> Any:
         """A rendezvous of `replica` (this thread's `ReplicaReads`) with the others; the
         action sees the central tensors."""
-        def in_central_view(contributions):
-            with replica.suspended():
-                return action(contributions)
-        return replica.session.group.rendezvous(replica.replica_id, what, value,
-                                                action and in_central_view)
+        if action is None:
+            return replica.session.group.rendezvous(replica.replica_id, what, value)
+        act = action
 
-    def all_reduce(self, tensors, op, inplace=False, options=None):
+        def in_central_view(contributions: list[Any]) -> Any:
+            with replica.suspended():
+                return act(contributions)
+        return replica.session.group.rendezvous(replica.replica_id, what, value,
+                                                in_central_view)
+
+    def all_reduce(self, tensors: Iterable[torch.Tensor], op: ReduceOp | str,
+                   inplace: bool = False, options: CommunicationOptions | None = None
+                   ) -> list[torch.Tensor]:
+        """`Communicator.all_reduce` among the replica threads (local outside a run)."""
         _refuse_options(options, "all_reduce")
         op = as_reduce_op(op)
         tensors = list(tensors)
@@ -100,7 +117,9 @@ class _ThreadCommunicator:
             return tensors
         return results
 
-    def all_gather(self, tensors, axis, options=None):
+    def all_gather(self, tensors: Iterable[torch.Tensor], axis: int,
+                   options: CommunicationOptions | None = None) -> list[torch.Tensor]:
+        """`Communicator.all_gather` among the replica threads (local outside a run)."""
         _refuse_options(options, "all_gather")
         tensors = list(tensors)
         replica = self._replica()
@@ -113,7 +132,8 @@ class _ThreadCommunicator:
             for i in range(len(tensors))])
         return [g.to(t.device, copy=True) for g, t in zip(gathered, tensors)]
 
-    def broadcast_(self, tensors, src=0):
+    def broadcast_(self, tensors: Iterable[torch.Tensor], src: int = 0) -> list[torch.Tensor]:
+        """`Communicator.broadcast_` among the replica threads (nothing outside a run)."""
         tensors = list(tensors)
         replica = self._replica()
         if replica is None:
@@ -125,13 +145,15 @@ class _ThreadCommunicator:
                     t.copy_(s.to(t.device))
         return tensors
 
-    def broadcast_object(self, obj, src=0):
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Replica `src`'s `obj` on every replica thread (`obj` itself outside a run)."""
         replica = self._replica()
         if replica is None:
             return obj
         return self._meet(replica, "broadcast", obj, lambda parts: parts[src])
 
-    def barrier(self):
+    def barrier(self) -> None:
+        """Waits for every replica thread (nothing outside a run)."""
         replica = self._replica()
         if replica is not None:
             self._meet(replica, "barrier", None, None)
@@ -146,11 +168,13 @@ class _CentralReplicaContext(ReplicaContext):
         `central_reads.current_replica` returns while this context is the current one).
     """
 
-    def __init__(self, strategy, replica_id, device, reads):
+    def __init__(self, strategy: Strategy, replica_id: int, device: torch.device,
+                 reads: central_reads.ReplicaReads) -> None:
         super().__init__(strategy, replica_id, device)
         self.reads = reads
 
-    def merge_call(self, merge_fn, args=(), kwargs=None):
+    def merge_call(self, merge_fn: Callable[..., Any], args: tuple[Any, ...] = (),
+                   kwargs: Mapping[str, Any] | None = None) -> Any:
         """Calls ``merge_fn(strategy, *args, **kwargs)`` once, in cross-replica context,
         with every replica's arguments as `PerReplica` values; each replica gets the result
         (its own component of distributed values in it)."""
@@ -158,7 +182,7 @@ class _CentralReplicaContext(ReplicaContext):
         replica = self.reads
         ids = tuple(range(self.num_replicas_in_sync))
 
-        def merge(contributions):
+        def merge(contributions: list[Any]) -> Any:
             per_replica_args = values.wrap([c[0] for c in contributions], ids,
                                            num_replicas=len(ids))
             per_replica_kwargs = values.wrap([c[1] for c in contributions], ids,
@@ -181,7 +205,8 @@ class CentralStorageExtended(StrategyExtended):
     `communicator` meets the replica threads of a ``run`` (and is local outside one).
     """
 
-    def __init__(self, container, compute_devices, parameter_device, timeout_seconds):
+    def __init__(self, container: Strategy, compute_devices: Sequence[torch.device],
+                 parameter_device: torch.device, timeout_seconds: float) -> None:
         super().__init__(container)
         self._compute_devices = tuple(compute_devices)
         self._parameter_device = parameter_device
@@ -192,28 +217,29 @@ class CentralStorageExtended(StrategyExtended):
 
     # -- facts ---------------------------------------------------------------------------
     @property
-    def replica_id(self):
+    def replica_id(self) -> int:
         return 0
 
     @property
-    def num_replicas_in_sync(self):
+    def num_replicas_in_sync(self) -> int:
         return len(self._compute_devices)
 
     @property
-    def worker_devices(self):
+    def worker_devices(self) -> tuple[torch.device, ...]:
         return self._compute_devices
 
     @property
-    def parameter_devices(self):
+    def parameter_devices(self) -> tuple[torch.device, ...]:
         return (self._parameter_device,)
 
     @property
-    def torch_device(self):
+    def torch_device(self) -> torch.device:
         """The parameter device: where modules and variables created in the scope live."""
         return self._parameter_device
 
     @property
-    def communicator(self):
+    def communicator(self) -> _ThreadCommunicator:  # type: ignore[override]
+        # Duck-types the Communicator collectives a run's replica threads need.
         return self._threads
 
     @property
@@ -231,10 +257,11 @@ class CentralStorageExtended(StrategyExtended):
         return MetricSync(gather_over=None, serialize_updates=True)
 
     # -- running ---------------------------------------------------------------------------
-    def default_replica_context(self):
+    def default_replica_context(self) -> ReplicaContext:
         return ReplicaContext(self._container, 0, self._parameter_device)
 
-    def call_for_each_replica(self, fn, args, kwargs):
+    def call_for_each_replica(self, fn: Callable[..., Any], args: Sequence[Any],
+                              kwargs: Mapping[str, Any]) -> Any:
         """Runs `fn` once per compute device, each in its own thread and replica context,
         and waits for all of them (in this thread, without copies, when the only replica
         computes on the parameter device).
@@ -264,7 +291,7 @@ class CentralStorageExtended(StrategyExtended):
                                            self._parameter_device)
         session.strategy = self._container
 
-        def replica_fn(r):
+        def replica_fn(r: int) -> Any:
             replica = _CentralReplicaContext(self._container, r, devices[r],
                                              session.replicas[r])
             with context.enter(self._container, replica), device_guard(devices[r]), \
@@ -280,7 +307,7 @@ class CentralStorageExtended(StrategyExtended):
         return values.per_replica(results)
 
     # -- cross-replica reductions (one process holds every replica's value) ---------------
-    def _components(self, value):
+    def _components(self, value: Any) -> tuple[list[torch.Tensor], bool]:
         """(components, distributed?) of one leaf, on the parameter device."""
         if isinstance(value, values.DistributedValues):
             return [v.to(self._parameter_device) for v in value.values], True
@@ -288,7 +315,8 @@ class CentralStorageExtended(StrategyExtended):
             value = torch.as_tensor(value)
         return [value.to(self._parameter_device)], False
 
-    def reduce_across_replicas(self, reduce_op, value, axis):
+    def reduce_across_replicas(self, reduce_op: ReduceOp | str, value: Any,
+                               axis: int | None) -> Any:
         """The reduction of the replicas' components, added in replica order on the
         parameter device."""
         op = as_reduce_op(reduce_op)
@@ -315,7 +343,7 @@ class CentralStorageExtended(StrategyExtended):
             out.append(total)
         return nest.pack(spec, out)
 
-    def gather_across_replicas(self, value, axis):
+    def gather_across_replicas(self, value: Any, axis: int) -> Any:
         """The replicas' components concatenated along `axis`, in replica order, on the
         parameter device (sizes along `axis` may differ)."""
         leaves, spec = nest.flatten(value)
@@ -326,12 +354,14 @@ class CentralStorageExtended(StrategyExtended):
             out.append(torch.cat(parts, dim=axis))
         return nest.pack(spec, out)
 
-    def local_results(self, value):
+    def local_results(self, value: Any) -> tuple[Any, ...]:
         """Every replica's component (this process runs them all); a structure gives one
         structure per replica."""
         return values.local_results(value, self.num_replicas_in_sync)
 
-    def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
+    def batch_reduce_to(self, reduce_op: ReduceOp | str,
+                        value_destination_pairs: Iterable[tuple[Any, Any]],
+                        options: CommunicationOptions | None = None) -> list[Any]:
         """Reduces each value across replicas onto its destination (default: the
         parameter device); returns plain tensors (the process holds one copy)."""
         _refuse_options(options, "batch_reduce_to / reduce_to")
@@ -343,38 +373,40 @@ class CentralStorageExtended(StrategyExtended):
         return results
 
     # -- collectives in replica context (a rendezvous of the replica threads) -------------
-    def _local_tensors(self, value, what):
+    def _local_tensors(self, value: Any, what: str) -> tuple[list[torch.Tensor], Any]:
         replica = central_reads.current_replica()
         index = 0 if replica is None else replica.replica_id
         return nest.tensor_leaves(values.local_component(value, index), what)
 
-    def replica_all_reduce(self, reduce_op, value, options=None):
+    def replica_all_reduce(self, reduce_op: ReduceOp | str, value: Any,
+                           options: CommunicationOptions | None = None) -> Any:
         tensors, spec = self._local_tensors(value, "all_reduce")
         return nest.pack(spec, self._threads.all_reduce(tensors, as_reduce_op(reduce_op),
                                                         options=options))
 
-    def replica_all_gather(self, value, axis, options=None):
+    def replica_all_gather(self, value: Any, axis: int,
+                           options: CommunicationOptions | None = None) -> Any:
         tensors, spec = self._local_tensors(value, "all_gather")
         return nest.pack(spec, self._threads.all_gather(tensors, axis, options=options))
 
     # -- the scope: one copy, on the parameter device ---------------------------------------
-    def scope_placement(self):
+    def scope_placement(self) -> ContextManager[Any]:
         return placement_scope(self._parameter_device)
 
-    def synchronize_mirrored_state(self):
+    def synchronize_mirrored_state(self) -> None:
         """Takes what the scope recorded into the replicas' reads: there is one copy of
         each tensor, so nothing is sent anywhere (``run`` copies the parameters and buffers
         it finds recorded to each compute device)."""
         self._mirrored.take_pending()
 
     # -- variables ---------------------------------------------------------------------
-    def check_variable(self, variable):
+    def check_variable(self, variable: Variable) -> None:
         if self._threaded and isinstance(variable, SyncOnReadVariable):
             raise ValueError("CentralStorageStrategy does not support SyncOnReadVariable "
                              "(synchronization=ON_READ) yet: return the per-replica values "
                              "from strategy.run and combine them with strategy.reduce.")
 
-    def write_variable(self, variable, new_value):
+    def write_variable(self, variable: Variable, new_value: torch.Tensor) -> None:
         """Writes the central tensor; inside ``run`` the replicas' (aggregated, hence equal)
         values are written once, when every replica has arrived."""
         replica = central_reads.current_replica()
@@ -389,7 +421,7 @@ class CentralStorageExtended(StrategyExtended):
 
         tensor = variable.tensor
 
-        def write_once(new_values):     # aggregated: every replica holds the same value
+        def write_once(new_values: list[Any]) -> None:     # aggregated: every replica holds the same value
             with replica.suspended(), torch.no_grad():
                 tensor.copy_(torch.as_tensor(new_values[0], dtype=tensor.dtype)
                              .to(tensor.device))
@@ -397,23 +429,26 @@ class CentralStorageExtended(StrategyExtended):
                                          new_value, write_once)
 
     # -- input -------------------------------------------------------------------------
-    def distribute_dataset(self, dataset, options):
+    def distribute_dataset(self, dataset: Iterable[Any], options: InputOptions | None
+                           ) -> PerHostDataset:
         """Splits each *global* batch along dim 0 over the replicas (see
         `torchstrategy.input.per_host.PerHostDataset`)."""
         return PerHostDataset(dataset, self._compute_devices, options)
 
-    def distribute_datasets_from_function(self, dataset_fn, options):
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Any],
+                                          options: InputOptions | None
+                                          ) -> PerHostDatasetsFromFunction:
         """Calls ``dataset_fn(ts.InputContext)`` once; its per-replica batches go to
         replicas 0, 1, ... in turn (see `torchstrategy.input.per_host`)."""
         return PerHostDatasetsFromFunction(dataset_fn, self._compute_devices, options)
 
-    def distribute_values_from_function(self, value_fn):
+    def distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
         n = self.num_replicas_in_sync
         return values.per_replica(value_fn(ValueContext(r, n)) for r in range(n))
 
 
 
-def _refuse_options(options, what):
+def _refuse_options(options: CommunicationOptions | None, what: str) -> None:
     """Collectives among threads of one process have no packs, no implementation to choose
     and no timeout other than the strategy's: only default options are accepted."""
     require_default_options(options, lambda o: (
@@ -422,7 +457,7 @@ def _refuse_options(options, what):
         "pack size, implementation or compression to choose. Pass options=None; bound "
         "every synchronisation with CentralStorageStrategy(timeout_seconds=...)."))
 
-def _choose_devices(compute_devices, parameter_device):
+def _choose_devices(compute_devices: Any, parameter_device: Any) -> tuple[Any, Any]:
     compute = parse_devices(compute_devices) if compute_devices is not None \
         else default_local_devices()
     if parameter_device is not None:
@@ -458,7 +493,9 @@ class CentralStorageStrategy(Strategy):
       RuntimeError: CUDA devices without CUDA.
     """
 
-    def __init__(self, compute_devices=None, parameter_device=None, *, timeout_seconds=None):
+    def __init__(self, compute_devices: Sequence[str | torch.device] | None = None,
+                 parameter_device: str | torch.device | None = None, *,
+                 timeout_seconds: float | None = None) -> None:
         compute, parameter = _choose_devices(compute_devices, parameter_device)
         timeout = world_lib.timeout_seconds(timeout_seconds)
         super().__init__(CentralStorageExtended(self, [d.torch_device for d in compute],
@@ -468,6 +505,6 @@ class CentralStorageStrategy(Strategy):
         logger.info(f"CentralStorageStrategy with {len(compute)} replica(s) on "
                     f"{self._device_names}, parameters on {parameter}")
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"CentralStorageStrategy(compute_devices={list(self._device_names)}, "
                 f"parameter_device={str(self._extended.torch_device)!r})")
