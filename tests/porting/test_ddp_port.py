@@ -291,6 +291,8 @@ class _RecordsItsOwnWay(ts.Strategy):
         comm = Communicator(None, 0, 1, torch.device("cpu"), ts.NcclAllReduce())
 
         class Extended(SPMDExtended):
+            records_in_scope = False  # the scope records parameters its own way
+
             def record_parameter(self, module, name, param):
                 pass
 
