@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+import os
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -40,9 +41,11 @@ from torchstrategy.strategies.base import (Strategy, check_trainer_replicas, log
 from torchstrategy.strategies.sharding import plan, state
 from torchstrategy.strategies.spmd import SPMDExtended
 from torchstrategy.strategies.startup import start_replica_process
+from torchstrategy.variables import Variable
 
 
-def _on_submodule(parent, name, submodule):
+def _on_submodule(parent: torch.nn.Module, name: str, submodule: torch.nn.Module | None
+                  ) -> None:
     """Global module-registration hook: inside a ShardedStrategy's scope, remembers which
     module a new submodule was attached to (to find each model's root)."""
     strategy = context.active_non_default_strategy()
@@ -52,7 +55,7 @@ def _on_submodule(parent, name, submodule):
     return None
 
 
-def _install_submodule_hook():
+def _install_submodule_hook() -> None:
     nn_module.register_module_module_registration_hook(_on_submodule)
 
 
@@ -96,35 +99,36 @@ class ShardedExtended(SPMDExtended):
 
     # -- facts ---------------------------------------------------------------------------
     @property
-    def mesh(self):
+    def mesh(self) -> DeviceMesh:
         """The `DeviceMesh` parameters are sharded over."""
         return self._mesh
 
     @property
-    def fsdp_kwargs(self):
+    def fsdp_kwargs(self) -> dict[str, Any]:
         """The keyword arguments every ``fully_shard`` call gets (a copy)."""
         return dict(self._fsdp_kwargs)
 
-    def sharded_models(self):
+    def sharded_models(self) -> list[torch.nn.Module]:
         """The models this strategy sharded (still alive), in the order they were
         sharded."""
         return [m for m in (ref() for ref in self._roots) if m is not None]
 
     # -- recording ---------------------------------------------------------------------
-    def record_parameter(self, module, name, param):
+    def record_parameter(self, module: torch.nn.Module, name: str,
+                         param: torch.nn.Parameter) -> None:
         """Remembers `module` (weakly; its parameters are read when it is sharded, and no
         reference to an unsharded tensor is kept)."""
         if self._sharding or isinstance(param, DTensor):
             return  # fully_shard registering the sharded parameters
         self._owners.append(weakref.ref(module))
 
-    def record_submodule(self, parent, child):
+    def record_submodule(self, parent: torch.nn.Module, child: torch.nn.Module) -> None:
         """Remembers, on `child` (its `module_state`), the module it was attached to in the
         scope: `_take_new_roots` walks up to each model's root through it."""
         if not self._sharding:
             module_state.attach(child, self).parent = weakref.ref(parent)
 
-    def check_variable(self, variable):
+    def check_variable(self, variable: Variable) -> None:
         if variable.trainable:
             raise ValueError(
                 f"ShardedStrategy shards nn.Module parameters; the trainable ts.Variable "
@@ -132,7 +136,7 @@ class ShardedExtended(SPMDExtended):
                 "Make it an nn.Parameter of a module created in strategy.scope(), or create "
                 "it with trainable=False.")
 
-    def variable_created_in_scope(self, v):
+    def variable_created_in_scope(self, v: Any) -> bool:
         """As StrategyExtended's, and True for the (sharded) parameters of the models this
         strategy sharded."""
         if isinstance(v, torch.Tensor) and any(
@@ -140,15 +144,16 @@ class ShardedExtended(SPMDExtended):
             return True
         return super().variable_created_in_scope(v)
 
-    def _parent_of(self, module):
+    def _parent_of(self, module: torch.nn.Module) -> torch.nn.Module | None:
         recorded = module_state.state_of(module, self)
         return None if recorded is None else recorded.parent_module()
 
-    def _take_new_roots(self):
+    def _take_new_roots(self) -> list[torch.nn.Module]:
         """The top-level modules of everything recorded since the last call (each once, in
         the order their first parameter was registered)."""
         owners, self._owners = self._owners, []
-        roots, seen = [], set()
+        roots: list[torch.nn.Module] = []
+        seen: set[int] = set()
         for ref in owners:
             module = ref()
             while module is not None:
@@ -162,7 +167,7 @@ class ShardedExtended(SPMDExtended):
         return roots
 
     # -- sharding ------------------------------------------------------------------------
-    def synchronize_mirrored_state(self):
+    def synchronize_mirrored_state(self) -> None:
         """Shards the models created in scope since the last call and broadcasts new
         buffers (and non-trainable variables) from replica 0. Every replica calls it at the
         same points (scope exit, the start of ``run``).
@@ -183,8 +188,9 @@ class ShardedExtended(SPMDExtended):
                     "the whole model inside one scope, before the scope exits and before the "
                     "first strategy.run.")
         plans = plan.plan_units(roots, self._shard_modules)
-        labelled = [(f"{type(root).__name__}.{name}", p)
-                    for root in roots for name, p in root.named_parameters()]
+        labelled: list[tuple[str, torch.Tensor]] = [
+            (f"{type(root).__name__}.{name}", p)
+            for root in roots for name, p in root.named_parameters()]
         labelled += self._mirrored.take_pending_labelled()
         if not labelled:
             return
@@ -199,11 +205,11 @@ class ShardedExtended(SPMDExtended):
         finally:
             self._sharding = False
 
-    def _shard(self, root, units):
+    def _shard(self, root: torch.nn.Module, units: list[torch.nn.Module]) -> None:
         before = dict(root.named_parameters())
-        sharded = []
-        for module in units + [root]:
-            sharded.append(fully_shard(module, **self._fsdp_kwargs))
+        sharded: list[FSDPModule] = []
+        for unit in units + [root]:
+            sharded.append(fully_shard(unit, **self._fsdp_kwargs))
         for module in sharded:
             # Sum, as MirroredStrategy: losses are scaled by the global batch already. A
             # plain SUM (not PREMUL_SUM(1), which gloo lacks), divided by 1 afterwards: a
@@ -228,7 +234,8 @@ class ShardedExtended(SPMDExtended):
         finally:
             handle.remove()
 
-    def adopt(self, module, optimizer=None):
+    def adopt(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+              ) -> torch.nn.Module:
         """``strategy.adopt``: shards `module`, built outside the scope, as if it had been
         built inside (broadcast from replica 0, then ``fully_shard``); `optimizer`, built
         over its unsharded parameters, is switched to the sharded ones. A collective.
@@ -256,7 +263,7 @@ class ShardedExtended(SPMDExtended):
         methods, so its children are sharded, each as a model (`adopt_submodules`)."""
         self.adopt_submodules(module)
 
-    def adopt_submodules(self, module):
+    def adopt_submodules(self, module: torch.nn.Module) -> torch.nn.Module:
         """Shards each direct child of `module` that holds parameters as a model of its
         own, for a wrapper whose methods call its children rather than its own forward (a
         LightningModule's ``training_step``: FSDP2 gathers a unit's parameters in its
@@ -283,7 +290,7 @@ class ShardedExtended(SPMDExtended):
         return module
 
     @contextlib.contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         """Backward passes inside keep their (unsharded) gradients locally; the next
         backward outside reduce-scatters everything accumulated (FSDP2's
         ``set_requires_gradient_sync``)."""
@@ -297,27 +304,29 @@ class ShardedExtended(SPMDExtended):
                 model.set_requires_gradient_sync(True)
 
     # -- checkpoints ---------------------------------------------------------------------
-    def save_checkpoint(self, path, model, optimizer=None):
+    def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module,
+                        optimizer: torch.optim.Optimizer | None = None) -> None:
         """Every replica writes its shards of `model` (and `optimizer`) into the directory
         `path` (``torch.distributed.checkpoint``; one file system shared by the replicas).
         A collective."""
         self.synchronize_mirrored_state()
         state.save(path, model, optimizer)
 
-    def load_checkpoint(self, path, model, optimizer=None):
+    def load_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module,
+                        optimizer: torch.optim.Optimizer | None = None) -> None:
         """Reads a checkpoint of `save_checkpoint` into `model` (and `optimizer`), written
         by any number of replicas. A collective."""
         self.synchronize_mirrored_state()
         state.load(path, model, optimizer)
 
-    def export_state_dict(self, model):
+    def export_state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
         """The plain single-device ``state_dict`` of `model`: full tensors on the CPU, no
         DTensors, the keys of the unsharded model (``Net().load_state_dict(it)`` works). A
         collective: the chief gets the dict, the other replicas an empty dict."""
         self.synchronize_mirrored_state()
         return state.export_state_dict(model)
 
-    def _model_of(self, optimizer):
+    def _model_of(self, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
         ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
         self._stale.adopt(optimizer)
         ids |= {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -329,14 +338,14 @@ class ShardedExtended(SPMDExtended):
                 "model= (a module holding all of them) to checkpoint it.")
         return owners[0]
 
-    def _steps_sharded(self, optimizer):
+    def _steps_sharded(self, optimizer: torch.optim.Optimizer) -> bool:
         """True if `optimizer` holds sharded (DTensor) parameters, once those that sharding
         replaced are switched; an optimizer over plain parameters is checkpointed as is."""
         self._stale.adopt(optimizer)
         return any(isinstance(p, DTensor) for group in optimizer.param_groups
                    for p in group["params"])
 
-    def state_dict_for_checkpoint(self, obj, model=None):
+    def state_dict_for_checkpoint(self, obj: Any, model: torch.nn.Module | None = None) -> Any:
         """What a single-file checkpoint (``BackupAndRestore``, Lightning's) stores for
         `obj`: for a sharded model its plain `export_state_dict`; for an optimizer over
         sharded parameters its full state keyed by parameter name (`model`: the module
@@ -352,7 +361,8 @@ class ShardedExtended(SPMDExtended):
             return state.export_optimizer_state_dict(model or self._model_of(obj), obj)
         return obj.state_dict()
 
-    def load_state_dict_from_checkpoint(self, obj, state_dict, model=None):
+    def load_state_dict_from_checkpoint(self, obj: Any, state_dict: Any,
+                                        model: torch.nn.Module | None = None) -> None:
         """Loads what `state_dict_for_checkpoint` returned on the chief into `obj`; every
         replica calls it with the same (full) `state_dict` and keeps its shards."""
         self.synchronize_mirrored_state()
@@ -366,7 +376,7 @@ class ShardedExtended(SPMDExtended):
             obj.load_state_dict(state_dict)
 
 
-def _check_managed(module, managed):
+def _check_managed(module: torch.nn.Module, managed: Any) -> None:
     if id(module) in managed or next(module.parameters(recurse=False), None) is None:
         return None
     raise RuntimeError(
@@ -377,7 +387,8 @@ def _check_managed(module, managed):
         "strategy.adopt(model, optimizer).")
 
 
-def _mesh_shape(world_size, shard_group_size):
+def _mesh_shape(world_size: int, shard_group_size: int | None
+                ) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """(shape, dimension names) of the device mesh.
 
     Raises:
@@ -480,16 +491,16 @@ class ShardedStrategy(Strategy):
                         f"{dict(zip(names, shape))}, on {process.backend}")
 
     @property
-    def cluster_resolver(self):
+    def cluster_resolver(self) -> ClusterResolver:
         return self._resolver
 
     @property
-    def num_workers(self):
+    def num_workers(self) -> int:
         """The number of machines taking part."""
         return self._world.num_nodes
 
     @property
-    def worker_index(self):
+    def worker_index(self) -> int:
         """This machine's rank among the machines."""
         return self._world.node_rank
 
@@ -507,6 +518,6 @@ class ShardedStrategy(Strategy):
         check_trainer_replicas(strategy, devices, num_nodes)
         return strategy
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"ShardedStrategy(num_replicas_in_sync={self.num_replicas_in_sync}, "
                 f"mesh={list(self._shape)})")

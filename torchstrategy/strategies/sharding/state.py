@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -49,7 +49,7 @@ class StaleParameters:
         self._version = 0
         self._adopted = WeakIdKeyDictionary()        # optimizer -> the version it saw
 
-    def add(self, root: torch.nn.Module, before: dict[str, torch.Tensor]) -> None:
+    def add(self, root: torch.nn.Module, before: Mapping[str, torch.Tensor]) -> None:
         """Records that `root`'s parameters `before` (name -> unsharded parameter) were
         replaced by its parameters of the same names."""
         root_ref = weakref.ref(root)
