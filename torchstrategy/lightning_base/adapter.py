@@ -168,7 +168,7 @@ def _trainer_arguments(trainer_cls):
     Lightning keeps only the parsed ``devices`` (where "auto" and 1 look alike on CPU), so
     they are read from the constructor's frame to tell "left at auto" from a real request.
     """
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "__init__" and \
                 isinstance(frame.f_locals.get("self"), trainer_cls):
@@ -283,13 +283,25 @@ def _reduce_op(reduce_op):
     return reduce_op  # MAX, MIN, PRODUCT: torch.distributed's own op
 
 
-class LightningStrategy:
+# What `LightningStrategy` is combined with at run time: a Lightning package's
+# ``ParallelStrategy`` (`strategy_class`), unknown here, as Lightning is optional and comes
+# in two packages. For the type checker it is Any, so the methods and attributes this
+# class takes from Lightning (``super().setup_environment()``, ``self.lightning_module``)
+# are not reported as missing.
+_LightningParallelStrategy: Any = object
+
+
+class LightningStrategy(_LightningParallelStrategy):
     # The docstring is CLASS_DOC, at the end of this module.
     # This class holds the adapter's behaviour and is what isinstance checks against;
     # `strategy_class` combines it with each package's ``ParallelStrategy`` and sets
     # `lightning` (a `LightningPackage`).
 
-    lightning: LightningPackage = None   # set by each package's subclass
+    # Set on each package's subclass (`strategy_class`); None only here, on this base,
+    # which `__new__` never instantiates.
+    lightning: LightningPackage = None  # type: ignore[assignment]
+    # Lightning's property (an annotation only: no class attribute shadows it).
+    model: Any
     strategy_name = "torchstrategy"
 
     def __new__(cls, *args, package=None, **kwargs):

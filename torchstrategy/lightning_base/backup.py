@@ -156,10 +156,11 @@ class BackupAndRestoreCallback:
     def load_state_dict(self, state_dict):
         rng = state_dict["rng"]
         rank = self._trainer.global_rank if self._trainer is not None else 0
-        if len(rng) != (self._trainer.world_size if self._trainer is not None else 1):
+        replicas = self._trainer.world_size if self._trainer is not None else 1
+        if len(rng) != replicas:
             raise ValueError(
                 f"The backup in {self.backup_dir} was written by {len(rng)} replicas but "
-                f"this run has {self._trainer.world_size}: resume with the same number "
+                f"this run has {replicas}: resume with the same number "
                 f"of replicas, or remove the backup to start afresh.")
         if state_dict["at_epoch_end"]:
             # Applied now, before the Trainer makes the next epoch's data iterator
