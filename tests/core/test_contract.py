@@ -290,7 +290,8 @@ def _replica(directory):
     model4, optimizer4 = _fresh(strategy, rank)
     resumed = ts.PreemptionCheckpointHandler(
         None, {"model": model4, "optimizer": optimizer4}, preemption_dir, config)
-    resumed._watcher.stop()
+    with resumed.watch_preemption_scope():
+        pass  # restored already; the scope's end stops its watcher
     out["preemption"] = (exits, resumed.restored, resumed.total_run_calls,
                          detached_state(model4), ext.state_dict_for_checkpoint(optimizer4))
 
