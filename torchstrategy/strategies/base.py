@@ -50,6 +50,15 @@ class StrategyExtended(abc.ABC):
     `num_replicas_in_sync`, `worker_devices`, `parameter_devices`, `is_chief`,
     `torch_device` (None where nothing is placed), `communicator` (collectives among this
     process's peers: ``all_reduce``, ``broadcast_``, ``broadcast_object``, ``barrier``).
+
+    The library asks a strategy questions only through the methods and properties here,
+    each with a default that fits a strategy of one replica per process: `shards_parameters`,
+    `converts_checkpoint_state`, `state_dict_for_checkpoint` /
+    `load_state_dict_from_checkpoint` (checkpoints), `replicas_are_threads`,
+    `one_replica_per_process`, `metric_sync` (``ts.metrics.sync``), `adopt`,
+    `backward_replicas_outside_run`, `prepare_trainer_module` / `prepare_trainer_optimizer`
+    (a training loop the strategy does not run, Lightning's), and the class method
+    `Strategy.build_for_trainer`. It never tests a strategy's class.
     """
 
     #: True where ``run`` traces the whole global batch at once (TPUStrategy): loss scaling
