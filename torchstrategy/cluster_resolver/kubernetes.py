@@ -79,8 +79,9 @@ class KubernetesClusterResolver(RendezvousClusterResolver):
         self.master_addr = env["MASTER_ADDR"]
         self.master_port = _int(env, "MASTER_PORT", 1)
         raw_nproc = env.get("PET_NPROC_PER_NODE", "1") or "1"
-        self.nproc_per_node: int | None = _int({"PET_NPROC_PER_NODE": raw_nproc}, "PET_NPROC_PER_NODE",
-                                   1) if raw_nproc.lstrip("-").isdigit() else None
+        self.nproc_per_node: int | None = _int(
+            {"PET_NPROC_PER_NODE": raw_nproc}, "PET_NPROC_PER_NODE",
+            1) if raw_nproc.lstrip("-").isdigit() else None
         if self.nproc_per_node is None and raw_nproc not in ("auto", "cpu", "gpu"):
             raise ValueError(f"PET_NPROC_PER_NODE={raw_nproc!r} is neither a number nor "
                              "auto/cpu/gpu (the values of the PyTorchJob's nprocPerNode).")

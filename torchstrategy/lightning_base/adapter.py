@@ -42,7 +42,7 @@ import os
 import sys
 import threading
 import types
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -138,7 +138,7 @@ def strategy_class(package: str | None = None) -> type[LightningStrategy]:
     return defined_once(LightningStrategy, package, define)
 
 
-def packages_in_use():
+def packages_in_use() -> list[str]:
     """The Lightning packages already imported (``lightning.pytorch`` first), else the
     first one installed, which this imports."""
     imported = [package for package in PACKAGES if package in sys.modules]
@@ -155,13 +155,14 @@ def packages_in_use():
                       "(or pytorch-lightning).")
 
 
-def check_package(package):
+def check_package(package: str | None) -> None:
+    """Refuses a `package` other than None or one of `PACKAGES`, naming them."""
     if package is not None and package not in PACKAGES:
         raise ValueError(f"package must be one of {PACKAGES} (or None: the one in use), "
                          f"got {package!r}.")
 
 
-def _trainer_arguments(trainer_cls):
+def _trainer_arguments(trainer_cls: type) -> dict[str, Any] | None:
     """The ``accelerator``, ``devices`` and ``num_nodes`` passed to the Trainer being
     constructed in this thread, or None outside a Trainer constructor.
 
@@ -180,7 +181,7 @@ def _trainer_arguments(trainer_cls):
     return None
 
 
-def _device_type(accelerator, known):
+def _device_type(accelerator: Any, known: tuple[tuple[type, str], ...]) -> str | None:
     """"cpu", "cuda", another device type, or None for "auto" / an accelerator object of
     a class we do not know. `known`: ((Accelerator class, device type), ...)."""
     if accelerator is None:
@@ -196,7 +197,7 @@ def _device_type(accelerator, known):
     return {"gpu": "cuda", "tpu": "xla"}.get(accelerator, accelerator)
 
 
-def _requested_count(devices):
+def _requested_count(devices: Any) -> int | None:
     """The number of devices a Trainer ``devices`` value asks for (None: "auto", or -1 /
     "-1" meaning all)."""
     if devices in ("auto", None, -1, "-1"):
@@ -211,7 +212,7 @@ def _requested_count(devices):
     return int(devices)
 
 
-def check_arguments(strategy, kind, start_method):
+def check_arguments(strategy: Strategy | None, kind: str | None, start_method: str) -> None:
     """Refuses a bad combination of the adapter's own arguments, naming what is accepted."""
     if (strategy is None) == (kind is None):
         raise ValueError("LightningStrategy needs a torchstrategy strategy "
@@ -231,6 +232,7 @@ def check_arguments(strategy, kind, start_method):
                 "strategy object.")
         _check_supported(strategy)
         return
+    assert kind is not None  # exactly one of strategy and kind, checked above
     entry = strategy_registry.find_kind(kind)
     if entry is not None and not entry.runs_under_a_trainer:
         raise ValueError(_unsupported_message(entry.class_name))
@@ -243,14 +245,14 @@ def check_arguments(strategy, kind, start_method):
                          f"{start_method!r} (start_method='fork' is for kind='mirrored').")
 
 
-def _unsupported_message(name):
+def _unsupported_message(name: str) -> str:
     return (f"{name} runs all its replicas inside one process (threads, or one XLA program), "
             "but Lightning runs its training loop once per process, so the Lightning adapter "
             "cannot drive it. Use Trainer(strategy='mirrored') (one process per device), or "
             f"{name} with a custom training loop (strategy.run).")
 
 
-def _check_supported(strategy):
+def _check_supported(strategy: Strategy) -> None:
     """The adapter runs Lightning's loop once per process, so every process must host
     exactly one replica, communicating over torch.distributed."""
     if not isinstance(strategy, Strategy):
@@ -263,7 +265,7 @@ def _check_supported(strategy):
         raise ValueError(_unsupported_message(type(strategy).__name__))
 
 
-def _reduce_op(reduce_op):
+def _reduce_op(reduce_op: Any) -> Any:
     if reduce_op is None:
         return ReduceOp.MEAN
     if isinstance(reduce_op, ReduceOp):
@@ -304,7 +306,7 @@ class LightningStrategy(_LightningParallelStrategy):
     model: Any
     strategy_name = "torchstrategy"
 
-    def __new__(cls, *args, package=None, **kwargs):
+    def __new__(cls, *args: Any, package: str | None = None, **kwargs: Any) -> Any:
         # LightningStrategy(...) makes an instance of the adapter class of the Lightning
         # package in use (or of `package`).
         check_package(package)
@@ -317,8 +319,10 @@ class LightningStrategy(_LightningParallelStrategy):
         # __init__ of an object that is not an instance of `cls`, so build it whole.
         return target(*args, package=package, **kwargs)
 
-    def __init__(self, strategy=None, *, kind=None, start_method="popen", package=None,
-                 accelerator=None, checkpoint_io=None, precision_plugin=None):
+    def __init__(self, strategy: Strategy | None = None, *, kind: str | None = None,
+                 start_method: str = "popen", package: str | None = None,
+                 accelerator: Any = None, checkpoint_io: Any = None,
+                 precision_plugin: Any = None) -> None:
         check_package(package)
         check_arguments(strategy, kind, start_method)
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io,
@@ -327,40 +331,49 @@ class LightningStrategy(_LightningParallelStrategy):
         self._kind = kind
         self._start_method = start_method
         self._num_nodes = 1
-        self._parallel_devices = None
+        self._parallel_devices: list[torch.device] | None = None
 
     # -- the wrapped strategy ------------------------------------------------------------
     @property
-    def torchstrategy(self):
+    def torchstrategy(self) -> Strategy | None:
         """The wrapped torchstrategy strategy (None until built, for a kind)."""
         return self._ts
 
-    def _communicator(self):
+    def _communicator(self) -> Communicator | None:
         return None if self._ts is None else self._ts.extended.communicator
 
-    def _set_rank_zero(self):
+    @property
+    def _built(self) -> Strategy:
+        """The wrapped strategy, for the hooks that run once it exists (from the
+        Trainer's construction on)."""
+        if self._ts is None:
+            raise RuntimeError("LightningStrategy: the torchstrategy strategy is not built "
+                               "yet (the Trainer has not set up its world).")
+        return self._ts
+
+    def _set_rank_zero(self) -> None:
         for rank_zero_only in self.lightning.rank_zero_only:
             rank_zero_only.rank = self.global_rank
 
     # -- devices and ranks ---------------------------------------------------------
     @property
-    def parallel_devices(self):
+    def parallel_devices(self) -> list[torch.device] | None:
         if self._ts is not None and self._kind is None:
             self._check_trainer_arguments()
             return self._local_devices()
         return self._parallel_devices
 
     @parallel_devices.setter
-    def parallel_devices(self, devices):
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
         self._parallel_devices = devices
 
-    def _local_devices(self):
+    def _local_devices(self) -> list[torch.device]:
         """The devices of the replicas on this machine, one per process, as Lightning
         indexes them by local rank. A strategy tells only its own replica's device
         (``extended.torch_device``): on CUDA the other processes' entries are the device
         numbered by their local rank (the usual one-GPU-per-process layout); this
         process's own entry is exact."""
-        own = self._ts.extended.torch_device or torch.device("cpu")
+        own = self._built.extended.torch_device or torch.device("cpu")
         count = self._local_replicas()
         if own.type == "cpu" or count == 1:
             return [own] * count
@@ -369,11 +382,11 @@ class LightningStrategy(_LightningParallelStrategy):
         return devices
 
     @staticmethod
-    def _world():
+    def _world() -> Any:
         """The world this process belongs to (rank, local world size), or None."""
         return runtime.current().world
 
-    def _local_replicas(self):
+    def _local_replicas(self) -> int:
         if self._ts is None or self._ts.num_replicas_in_sync == 1:
             return 1
         world = self._world()
@@ -381,39 +394,39 @@ class LightningStrategy(_LightningParallelStrategy):
             return world.local_world_size
         return int(os.environ.get("LOCAL_WORLD_SIZE", self._ts.num_replicas_in_sync))
 
-    def _machines(self):
+    def _machines(self) -> int:
         if self._ts is None:
             return 1
         return max(1, self._ts.num_replicas_in_sync // self._local_replicas())
 
     @property
-    def num_nodes(self):
+    def num_nodes(self) -> int:
         return self._num_nodes
 
     @num_nodes.setter
-    def num_nodes(self, num_nodes):
+    def num_nodes(self, num_nodes: int) -> None:
         self._num_nodes = num_nodes
 
     @property
-    def num_processes(self):
+    def num_processes(self) -> int:
         devices = self.parallel_devices
         return len(devices) if devices else 1
 
     @property
-    def root_device(self):
+    def root_device(self) -> torch.device:
         if self._ts is not None:
             return self._ts.extended.torch_device or torch.device("cpu")
         devices = self.parallel_devices or [torch.device("cpu")]
         return devices[min(self.local_rank, len(devices) - 1)]
 
     @property
-    def global_rank(self):
+    def global_rank(self) -> int:
         if self._ts is not None:
             return self._ts.extended.replica_id
         return int(os.environ.get("LOCAL_RANK", 0)) if self._launched_here() else 0
 
     @property
-    def local_rank(self):
+    def local_rank(self) -> int:
         if self._ts is not None and self._ts.num_replicas_in_sync > 1:
             world = self._world()
             if world is not None:
@@ -422,30 +435,30 @@ class LightningStrategy(_LightningParallelStrategy):
         return self.global_rank
 
     @property
-    def node_rank(self):
+    def node_rank(self) -> int:
         if self._ts is None:
             return 0
         return self.global_rank // max(1, self._local_replicas())
 
     @property
-    def world_size(self):
+    def world_size(self) -> int:
         if self._ts is not None:
             return self._ts.num_replicas_in_sync
         return self.num_nodes * self.num_processes
 
     @property
-    def is_distributed(self):
+    def is_distributed(self) -> bool:
         return self.world_size > 1
 
     @property
-    def distributed_sampler_kwargs(self):
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
-    def _launched_here(self):
+    def _launched_here(self) -> bool:
         return self._start_method != "popen" and "LOCAL_RANK" in os.environ
 
     # -- Trainer construction ------------------------------------------------------
-    def _check_trainer_arguments(self):
+    def _check_trainer_arguments(self) -> None:
         """Raises if the Trainer being built asks for other devices than the wrapped
         strategy has (Lightning reads `parallel_devices` first while it parses its
         arguments, so this runs before any of them is acted on)."""
@@ -453,7 +466,7 @@ class LightningStrategy(_LightningParallelStrategy):
         if given is None:
             return
         name = repr(self._ts)
-        wanted_type = (self._ts.extended.torch_device or torch.device("cpu")).type
+        wanted_type = (self._built.extended.torch_device or torch.device("cpu")).type
         asked_type = _device_type(given["accelerator"], self.lightning.accelerators)
         if asked_type is not None and asked_type != wanted_type:
             raise ValueError(
@@ -474,20 +487,25 @@ class LightningStrategy(_LightningParallelStrategy):
                 f"Trainer(num_nodes={given['num_nodes']}) disagrees with {name}, which "
                 f"spans {machines} machine(s). Pass num_nodes={machines}.")
 
-    def set_world_ranks(self):
+    def set_world_ranks(self) -> None:
+        """Lightning's hook while the Trainer is built: builds the strategy of a kind
+        (launching or joining its replicas), then sets Lightning's rank-zero rank."""
         if self._ts is None and self._start_method == "popen":
             self._ts = self._build_strategy()
             self._kind = None
         self._set_rank_zero()
 
-    def _build_strategy(self):
+    def _build_strategy(self) -> Strategy:
         """Builds the strategy named by the kind from the Trainer's devices
         (``Strategy.build_for_trainer``); building it launches or joins the replicas."""
+        kind = self._kind
+        if kind is None:
+            raise RuntimeError("LightningStrategy: no kind to build a strategy from.")
         devices = list(self._parallel_devices or [torch.device("cpu")])
-        strategy_class = strategy_registry.trainer_kind(self._kind).strategy_class()
-        return strategy_class.build_for_trainer(devices, self.num_nodes, name=self._kind)
+        strategy_class = strategy_registry.trainer_kind(kind).strategy_class()
+        return strategy_class.build_for_trainer(devices, self.num_nodes, name=kind)
 
-    def _configure_launcher(self):
+    def _configure_launcher(self) -> None:
         if self._start_method == "popen":
             self._launcher = None    # building the strategy launched the replicas
         else:
@@ -496,7 +514,9 @@ class LightningStrategy(_LightningParallelStrategy):
                 self, start_method=self._start_method)
 
     # -- set-up --------------------------------------------------------------------
-    def setup_environment(self):
+    def setup_environment(self) -> None:
+        """Lightning's hook in each replica before set-up: a replica started by
+        Lightning's launcher (notebooks) builds its strategy here."""
         if self._ts is None:
             # A replica started by the multiprocessing launcher (notebooks): join the
             # world the launcher set up, as under torchrun.
@@ -510,11 +530,13 @@ class LightningStrategy(_LightningParallelStrategy):
             self._set_rank_zero()
         super().setup_environment()
 
-    def setup(self, trainer):
+    def setup(self, trainer: Any) -> None:
+        """Moves the model to the replica's device and hands it, then each optimizer, to
+        the strategy (see the module docstring)."""
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        ext = self._ts.extended
+        ext = self._built.extended
         ext.prepare_trainer_module(self.model)
         fitting = trainer.state.fn == self.lightning.fitting
         if fitting:
@@ -526,37 +548,45 @@ class LightningStrategy(_LightningParallelStrategy):
             _compat.lightning_optimizers_to_device(self.lightning.name, self.optimizers,
                                                    self.root_device)
 
-    def model_to_device(self):
+    def model_to_device(self) -> None:
+        """Moves the LightningModule to this replica's device."""
         self.model.to(self.root_device)
 
     # -- steps ---------------------------------------------------------------------
     @contextlib.contextmanager
-    def _replica_context(self):
-        ext = self._ts.extended
+    def _replica_context(self) -> Iterator[None]:
+        ext = self._built.extended
         replica = ReplicaContext(self._ts, ext.replica_id,
                                  ext.torch_device or torch.device("cpu"))
         with context.enter(self._ts, replica):
             yield
 
-    def training_step(self, *args, **kwargs):
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's training step in the strategy's replica context; buffers are made
+        the replica mean after it."""
         with self._replica_context():
             output = super().training_step(*args, **kwargs)
-        self._ts.extended.synchronize_buffers()
+        self._built.extended.synchronize_buffers()
         return output
 
-    def validation_step(self, *args, **kwargs):
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's validation step in the strategy's replica context."""
         with self._replica_context():
             return super().validation_step(*args, **kwargs)
 
-    def test_step(self, *args, **kwargs):
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's test step in the strategy's replica context."""
         with self._replica_context():
             return super().test_step(*args, **kwargs)
 
-    def predict_step(self, *args, **kwargs):
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's predict step in the strategy's replica context."""
         with self._replica_context():
             return super().predict_step(*args, **kwargs)
 
-    def backward(self, closure_loss, optimizer, *args, **kwargs):
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any,
+                 **kwargs: Any) -> torch.Tensor:
+        """Backward of the loss scaled by 1/N: the reducer's sum is DDP's mean gradient."""
         # Lightning (DDP) averages gradients over replicas; the reducer sums them.
         n = self.world_size
         scaled = closure_loss if n == 1 else closure_loss * (1.0 / n)
@@ -564,7 +594,7 @@ class LightningStrategy(_LightningParallelStrategy):
         return closure_loss.detach()
 
     @contextlib.contextmanager
-    def block_backward_sync(self):
+    def block_backward_sync(self) -> Iterator[None]:
         """Gradient accumulation: backward passes inside stay local."""
         if self._ts is None:
             yield
@@ -574,35 +604,42 @@ class LightningStrategy(_LightningParallelStrategy):
 
     # -- checkpoints through the strategy where it converts state (a sharded model: full
     # tensors, gathered on every replica); Lightning's own path otherwise ---------------
-    def _sharded(self):
-        return self._ts.extended.converts_checkpoint_state
+    def _sharded(self) -> bool:
+        return self._built.extended.converts_checkpoint_state
 
-    def lightning_module_state_dict(self):
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state dict; full tensors where the strategy converts state."""
         if not self._sharded():
             return super().lightning_module_state_dict()
-        return self._ts.extended.state_dict_for_checkpoint(self.lightning_module)
+        return self._built.extended.state_dict_for_checkpoint(self.lightning_module)
 
-    def optimizer_state(self, optimizer):
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """`optimizer`'s state dict; full tensors where the strategy converts state."""
         if not (self._sharded() and isinstance(optimizer, torch.optim.Optimizer)):
             return super().optimizer_state(optimizer)
-        return self._ts.extended.state_dict_for_checkpoint(optimizer,
+        return self._built.extended.state_dict_for_checkpoint(optimizer,
                                                            model=self.lightning_module)
 
-    def load_model_state_dict(self, checkpoint, strict=True):
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True
+                              ) -> None:
+        """Loads the module's state from a Lightning checkpoint (through the strategy
+        where it converts state)."""
         if not self._sharded():
             return super().load_model_state_dict(checkpoint, strict=strict)
-        self._ts.extended.load_state_dict_from_checkpoint(self.lightning_module,
+        self._built.extended.load_state_dict_from_checkpoint(self.lightning_module,
                                                           checkpoint["state_dict"])
 
-    def load_optimizer_state_dict(self, checkpoint):
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Loads the optimizers' states from a Lightning checkpoint (through the strategy
+        where it converts state)."""
         if not self._sharded():
             return super().load_optimizer_state_dict(checkpoint)
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            self._ts.extended.load_state_dict_from_checkpoint(
+            self._built.extended.load_state_dict_from_checkpoint(
                 optimizer, state, model=self.lightning_module)
 
     # -- collectives ---------------------------------------------------------------
-    def reduce(self, tensor, group=None, reduce_op="mean"):
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """Reduces `tensor` over replicas ("mean"/"sum", torch's ReduceOp, or "max" /
         "min"); a non-tensor is returned unchanged."""
         comm = self._communicator()
@@ -620,25 +657,27 @@ class LightningStrategy(_LightningParallelStrategy):
         dist.all_reduce(result, op=op)
         return result
 
-    def barrier(self, name=None):
+    def barrier(self, name: str | None = None) -> None:
+        """Waits for every replica (through the strategy's communicator)."""
         comm = self._communicator()
         if comm is not None:
             comm.barrier()
 
-    def broadcast(self, obj, src=0):
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Replica `src`'s `obj` on every replica."""
         comm = self._communicator()
         if comm is None:
             return obj
         return comm.broadcast_object(obj, src=src)
 
     @classmethod
-    def register_strategies(cls, strategy_registry):
+    def register_strategies(cls, strategy_registry: Any) -> None:
         """Registers our names ("mirrored", "mirrored_notebook", ...) in
         `strategy_registry`, Lightning's ``StrategyRegistry`` (Lightning's own hook for
         a strategy class; `torchstrategy.lightning` calls it when it is imported)."""
         registration.register_into(strategy_registry, cls)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         inner = repr(self._ts) if self._ts is not None else \
             f"kind={self._kind!r}, start_method={self._start_method!r}"
         return f"LightningStrategy({inner})"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from typing import Any
 
 from torchstrategy import _compat
 from torchstrategy import backup_and_restore as _backup
@@ -51,9 +52,9 @@ class BackupAndRestoreCallback:
     # `callback_class` combines it with each Lightning package's ``Callback`` and sets
     # `package`.
 
-    package = None   # "lightning.pytorch" or "pytorch_lightning", set by the subclass
+    package: str | None = None   # "lightning.pytorch" or "pytorch_lightning", set by the subclass
 
-    def __new__(cls, *args, package=None, **kwargs):
+    def __new__(cls, *args: Any, package: str | None = None, **kwargs: Any) -> Any:
         # BackupAndRestoreCallback(...) makes an instance of the callback class of the
         # Lightning package in use (or of `package`).
         adapter.check_package(package)
@@ -65,29 +66,33 @@ class BackupAndRestoreCallback:
         # The other package's class was called with package=: build it whole.
         return target(*args, package=package, **kwargs)
 
-    def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True, *,
-                 package=None):
+    def __init__(self, backup_dir: str | os.PathLike[str], save_freq: str | int = "epoch",
+                 delete_checkpoint: bool = True, *, package: str | None = None) -> None:
         adapter.check_package(package)
         _backup.BackupAndRestore(backup_dir, save_freq)  # the same argument checks
         self.backup_dir = os.path.abspath(os.fspath(backup_dir))
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
         self.restored = False
-        self._trainer = None
-        self._restored_global_step = None
-        self._rng_to_apply = None
+        self._trainer: Any = None   # Lightning's Trainer, once set up
+        self._restored_global_step: int | None = None
+        self._rng_to_apply: dict[str, Any] | None = None
         self._at_epoch_end = False
 
     @property
-    def path(self):
+    def path(self) -> str:
         """The backup file: ``backup_dir/backup.ckpt`` (a Lightning checkpoint)."""
         return os.path.join(self.backup_dir, _FILE)
 
     @property
-    def state_key(self):
+    def state_key(self) -> str:
+        """The key of this callback's state in a Lightning checkpoint (one per backup
+        directory)."""
         return f"BackupAndRestoreCallback[{self.backup_dir}]"
 
-    def setup(self, trainer, pl_module, stage):
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Lightning's hook: when fitting and a backup exists, starts Lightning's resume
+        from it."""
         self._trainer = trainer
         if stage != "fit":
             return
@@ -100,7 +105,8 @@ class BackupAndRestoreCallback:
         _compat.lightning_restore_from_checkpoint(trainer, self.path)
         self.restored = True
 
-    def on_train_start(self, trainer, pl_module):
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """Lightning's hook: refuses a run whose step is not the restored backup's."""
         if self.restored and trainer.global_step != self._restored_global_step:
             raise RuntimeError(
                 f"BackupAndRestoreCallback restored {self.path} at global step "
@@ -108,22 +114,28 @@ class BackupAndRestoreCallback:
                 f"{trainer.global_step}: another checkpoint replaced it (was fit() given "
                 f"ckpt_path=?). Remove the backup or the ckpt_path argument.")
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
+                             batch_idx: int) -> None:
+        """Lightning's hook: applies a mid-epoch backup's random state before its step."""
         # A backup from the middle of an epoch: applied just before the next step, so
         # the step draws the numbers the interrupted run would have drawn.
         if self._rng_to_apply is not None:
             _backup.set_rng_state(self._rng_to_apply)
             self._rng_to_apply = None
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self.save_freq != "epoch" and trainer.global_step % self.save_freq == 0:
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        """Lightning's hook: backs up every `save_freq` steps (an int `save_freq`)."""
+        if isinstance(self.save_freq, int) and trainer.global_step % self.save_freq == 0:
             self._save(trainer, trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
 
-    def on_train_epoch_end(self, trainer, pl_module):
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        """Lightning's hook: backs up at the end of each epoch (``save_freq="epoch"``)."""
         if self.save_freq == "epoch":
             self._save(trainer, at_epoch_end=True)
 
-    def on_fit_end(self, trainer, pl_module):
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        """Lightning's hook: removes the backup (`delete_checkpoint`) once fit returns."""
         # Reached only when fit returns normally (an exception skips it).
         if self.delete_checkpoint and trainer.is_global_zero:
             if os.path.exists(self.path):
@@ -132,7 +144,7 @@ class BackupAndRestoreCallback:
                 os.rmdir(self.backup_dir)
         trainer.strategy.barrier("BackupAndRestoreCallback.on_fit_end")
 
-    def _save(self, trainer, at_epoch_end):
+    def _save(self, trainer: Any, at_epoch_end: bool) -> None:
         # Every replica takes part (the checkpoint collects every replica's state);
         # the chief writes a temporary file, flushes it and renames it over the
         # backup, so a crash while writing leaves the previous backup whole.
@@ -145,7 +157,9 @@ class BackupAndRestoreCallback:
             os.replace(temporary, self.path)
         trainer.strategy.barrier("BackupAndRestoreCallback._save")
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
+        """This callback's part of a Lightning checkpoint: every replica's random state
+        (gathered on the chief), whether it was taken at an epoch's end, the step."""
         # Called on every replica while a checkpoint is made; gathers every
         # replica's generators (the chief writes them all).
         trainer = self._trainer
@@ -153,7 +167,13 @@ class BackupAndRestoreCallback:
                 "at_epoch_end": self._at_epoch_end,
                 "global_step": trainer.global_step if trainer is not None else 0}
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores what `state_dict` returned: the random state (now at an epoch's end,
+        else before the next step) and the step to resume at.
+
+        Raises:
+          ValueError: a backup written by another number of replicas.
+        """
         rng = state_dict["rng"]
         rank = self._trainer.global_rank if self._trainer is not None else 0
         replicas = self._trainer.world_size if self._trainer is not None else 1

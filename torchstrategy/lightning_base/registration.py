@@ -15,6 +15,7 @@ imports no Lightning.
 """
 import importlib
 import sys
+from typing import Any, Callable
 
 from torchstrategy.strategies import registry as strategy_registry
 
@@ -29,24 +30,24 @@ _COLLISION_PREFIX = "ts_"
 _PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 
 
-def available_names():
+def available_names() -> list[str]:
     """Our names (every strategy they name is in this package)."""
     return list(_NAMES)
 
 
-def _ours(registry, final, name):
+def _ours(registry: Any, final: str, name: str) -> bool:
     """True when `final` in `registry` is our registration of `name` (recognised by its
     description: Lightning's registry records it with the factory)."""
     return final in registry and registry[final]["description"] == _NAMES[name][3]
 
 
-def _names_in(registry):
+def _names_in(registry: Any) -> dict[str, str]:
     """{our name: the name it is registered under in `registry`}, read from the registry."""
     return {name: final for name in _NAMES
             for final in (name, _COLLISION_PREFIX + name) if _ours(registry, final, name)}
 
 
-def registered_names(package=None):
+def registered_names(package: str | None = None) -> dict[str, str]:
     """{our name: the name registered in `package`'s registry} (a name Lightning already
     uses gets the prefix "ts_"). `package` None: the first Lightning package imported
     (``lightning.pytorch`` before ``pytorch_lightning``); {} when none is."""
@@ -58,14 +59,14 @@ def registered_names(package=None):
     return _names_in(importlib.import_module(f"{package}.strategies").StrategyRegistry)
 
 
-def _factory(adapter_class, kind, start_method):
-    def build(**kwargs):
+def _factory(adapter_class: type, kind: str, start_method: str) -> Callable[..., Any]:
+    def build(**kwargs: Any) -> Any:
         return adapter_class(None, kind=kind, start_method=start_method, **kwargs)
     build.__name__ = f"torchstrategy_{kind}_{start_method}"
     return build
 
 
-def register_into(registry, adapter_class):
+def register_into(registry: Any, adapter_class: type) -> dict[str, str]:
     """Registers every available name into `registry` (a Lightning ``StrategyRegistry``),
     each building an `adapter_class`; returns {our name: registered name}. Idempotent: what
     is already there is recognised in the registry itself."""
