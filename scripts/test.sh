@@ -19,6 +19,7 @@ if [ "${SKIP_XLA:-0}" != 1 ]; then
   setsid bash scripts/setup_xla.sh > "$xla_log" 2>&1 &
   xla_setup=$!
   trap stop_xla_setup EXIT
+  trap 'exit 130' INT TERM   # Ctrl-C or a CI's cancel: the EXIT trap stops the set-up too
 fi
 
 SKIP_XLA=1 bash scripts/setup.sh
@@ -29,7 +30,7 @@ export PYTHONUNBUFFERED=1
 export TORCHSTRATEGY_TIMEOUT_SECONDS=${TORCHSTRATEGY_TIMEOUT_SECONDS:-120}
 # Two workers (pytest-xdist): most tests wait on the processes they start. Each test file
 # stays on one worker (--dist loadfile): module fixtures start their processes once.
-# The slowest 15 tests are listed at the end.
+# The slowest 15 tests are listed at the end. TEST_WORKERS=N changes the number of workers.
 main_status=0
 .venv/bin/python -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile --durations=15 "$@" \
   || main_status=$?
