@@ -4,8 +4,7 @@ A group of `steps` micro-batches makes one optimizer step. Backward passes of th
 micro-batches accumulate gradients locally (``strategy.extended.no_sync()``, DDP's
 ``no_sync``); the last one's backward sums everything accumulated across replicas, once.
 Each micro-batch scales its loss for the whole group, so the step equals one step on the
-group's examples taken together (single-device training on the large batch). The last
-group of an epoch may be shorter: it is scaled by its own size.
+group's examples taken together (single-device training on the large batch).
 
     for micro in ts.accumulate(strategy, dist_dataset, steps=4):
         with micro:                                  # no_sync unless it is the last
@@ -15,40 +14,55 @@ group of an epoch may be shorter: it is scaled by its own size.
 
     def micro_step(batch, micro):
         x, y = batch
-        per_example = F.cross_entropy(model(x), y, reduction="none")
-        micro.compute_average_loss(per_example).backward()  # or micro.scale_mean_loss(loss)
+        loss = F.cross_entropy(model(x), y)
+        micro.scale_mean_loss(loss).backward()   # or micro.compute_average_loss(per_example)
+
+Micro-batches are read one at a time, when the loop asks for the next one, exactly as a
+hand-written ``no_sync`` loop reads them: random draws of the data (a batch sampled with
+the global generator) and of the model (dropout) keep their order, so the weights are the
+loop's own. Only the example count of `MicroBatch.compute_average_loss` needs the whole
+group: the first call of a group reads the group's remaining micro-batches then (kept for
+the coming iterations) and sums their examples over the replicas in one all-reduce;
+`MicroBatch.scale_mean_loss` needs neither.
 """
 from __future__ import annotations
 
 import contextlib
 import numbers
+import threading
 from types import TracebackType
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator
 
 import torch
 
-from torchstrategy import losses, nest, values
+from torchstrategy import context, losses, nest, values
 from torchstrategy.context import AnyStrategy
 from torchstrategy.reduce_op import ReduceOp
 
 
 def accumulate(strategy: AnyStrategy, batches: Iterable[Any], steps: int
                ) -> Iterator[MicroBatch]:
-    """Iterates `batches` as `MicroBatch`es in groups of `steps` (the last group of a
-    finite iterable may be shorter).
+    """Iterates `batches` as `MicroBatch`es in groups of `steps`.
 
     Args:
       strategy: the strategy whose gradient reduction is deferred to each group's last
         micro-batch (``strategy.extended.no_sync()``).
-      batches: an iterable of batches: a distributed dataset (its iterator gives
-        per-replica batches) or this process's own batches (a DDP-style loop). Dim 0 of a
-        batch's first tensor counts its examples.
+      batches: any iterable: a distributed dataset (its iterator gives per-replica
+        batches), this process's own batches (a DDP-style loop), or anything else when
+        only the syncing is wanted (``ts.accumulate(strategy, range(k), k)``). Dim 0 of a
+        batch's first tensor counts its examples where `MicroBatch.compute_average_loss`
+        needs them.
       steps: micro-batches per optimizer step (nanoGPT's ``gradient_accumulation_steps``).
 
-    Each group's micro-batches are read before the first of them is yielded (the group's
-    size and example count scale every loss of the group), and the replicas sum their
-    example counts in one small all-reduce per group: every replica iterates the same
-    number of micro-batches, as a distributed dataset guarantees.
+    Batches are read lazily, one per iteration, in order. Each group has `steps`
+    micro-batches, except the last group of a sized `batches` (one with ``len()``, such as
+    a list, a DataLoader or a distributed dataset) whose length is not a multiple of
+    `steps`: that group is shorter and its micro-batches know it (`MicroBatch.group_size`,
+    `MicroBatch.is_last`). An unsized iterable (a generator) must end on a group boundary,
+    as a DDP loop's ``range(gradient_accumulation_steps)`` does: finding out that a group
+    is short would mean reading one batch ahead, which moves the data's random draws
+    before the model's; an unsized iterable that ends inside a group raises RuntimeError
+    when the loop asks for the next micro-batch.
 
     Raises:
       ValueError: `steps` not a positive whole number.
@@ -65,56 +79,132 @@ def accumulate(strategy: AnyStrategy, batches: Iterable[Any], steps: int
     except TypeError:
         raise TypeError(f"ts.accumulate(strategy, batches, ...): batches must be iterable, "
                         f"got {type(batches).__name__}.") from None
-    return _groups(strategy, iterator, int(steps))
+    return _micro_batches(strategy, iterator, int(steps), _length(batches))
 
 
-def _groups(strategy: AnyStrategy, iterator: Iterator[Any], steps: int
-            ) -> Iterator[MicroBatch]:
+def _length(batches: Iterable[Any]) -> int | None:
+    """``len(batches)`` where it has one (read without iterating: no draws), else None."""
+    try:
+        return len(batches)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _micro_batches(strategy: AnyStrategy, iterator: Iterator[Any], steps: int,
+                   length: int | None) -> Iterator[MicroBatch]:
+    read = 0
     while True:
-        group = []
-        for batch in iterator:
-            group.append(batch)
-            if len(group) == steps:
-                break
-        if not group:
-            return
-        examples = _global_examples(strategy, group)
-        for index, batch in enumerate(group):
-            yield MicroBatch(strategy, batch, index, len(group), examples)
-        if len(group) < steps:
-            return
+        remaining = None if length is None else length - read
+        if remaining is not None and remaining <= 0:
+            # A sized iterable may still give more than its len() (an estimate): carry on
+            # with full groups rather than drop batches.
+            remaining = None
+        size = steps if remaining is None else min(steps, remaining)
+        group = _Group(strategy, iterator, size)
+        for index in range(size):
+            batch = group.batch(index)
+            if batch is _END:
+                if index == 0:
+                    return
+                raise RuntimeError(
+                    f"ts.accumulate(strategy, batches, steps={steps}): batches ended after "
+                    f"{index} micro-batch(es) of a group of {size}; their gradients were "
+                    "accumulated without communication and no group ended. Give batches "
+                    "with a len() (a list, a DataLoader, a distributed dataset: the last "
+                    "group is then shorter), or a number of batches that is a multiple of "
+                    "steps.")
+            read += 1
+            yield MicroBatch(strategy, batch, index, size, group)
 
 
-def _local_examples(batch: Any) -> list[int]:
-    """Examples in this process's parts of `batch` (dim 0 of each part's first tensor)."""
-    parts = batch.values if isinstance(batch, values.DistributedValues) else None
-    if parts is None:
+_END = object()
+
+
+class _Group:
+    """One group's micro-batches, read from the shared iterator as they are asked for; its
+    example count over every replica is found once, on first request."""
+
+    def __init__(self, strategy: AnyStrategy, iterator: Iterator[Any], size: int) -> None:
+        self._strategy = strategy
+        self._iterator = iterator
+        self._size = size
+        self._batches: list[Any] = []
+        self._examples: float | None = None
+        # Replica threads (CentralStorageStrategy) ask for the count at once: one reads.
+        self._lock = threading.Lock()
+
+    def batch(self, index: int) -> Any:
+        """The group's `index`-th micro-batch (read now unless already read), or _END."""
+        with self._lock:
+            self._read_up_to(index + 1)
+            return self._batches[index] if index < len(self._batches) else _END
+
+    def _read_up_to(self, count: int) -> None:
+        while len(self._batches) < count:
+            batch = next(self._iterator, _END)
+            if batch is _END:
+                return
+            self._batches.append(batch)
+
+    def examples(self, device: torch.device | None) -> float:
+        """Examples in the whole group summed over every replica (one all-reduce, the first
+        time; inside ``strategy.run`` the replicas' all-reduce, outside it the strategy's
+        reduce)."""
+        with self._lock:
+            if self._examples is None:
+                self._read_up_to(self._size)
+                self._examples = self._count(device)
+            return self._examples
+
+    def _count(self, device: torch.device | None) -> float:
+        per_batch = [_local_examples(batch) for batch in self._batches]
+        totals: dict[int | None, int] = {}
+        for counts in per_batch:
+            for replica, count in counts:
+                totals[replica] = totals.get(replica, 0) + count
+        replica_context = context.get_replica_context()
+        if context.in_run() and replica_context is not None:
+            mine = replica_context.replica_id_in_sync_group
+            local = totals.get(mine, totals.get(None))
+            if local is None:
+                raise RuntimeError(f"ts.accumulate: replica {mine} has no part of the "
+                                   "micro-batches to count.")
+            if self._strategy.extended.traces_global_batch or \
+                    replica_context.num_replicas_in_sync == 1:
+                return float(local)
+            mine_count = torch.tensor(float(local), device=device)
+            return float(replica_context.all_reduce(ReduceOp.SUM, mine_count).item())
+        parts = iter(float(total) for total in totals.values())
+        counts = self._strategy.experimental_distribute_values_from_function(
+            lambda ctx: torch.tensor(next(parts), dtype=torch.float64))
+        return float(self._strategy.reduce(ReduceOp.SUM, counts, axis=None).item())
+
+
+def _local_examples(batch: Any) -> list[tuple[int | None, int]]:
+    """(replica id, examples) of this process's parts of `batch` (dim 0 of each part's
+    first tensor; replica id None for a batch that is not per-replica)."""
+    parts: tuple[Any, ...]
+    replicas: tuple[int | None, ...]
+    first: Any = batch
+    if not isinstance(batch, values.DistributedValues):
         leaves = [leaf for leaf in nest.flatten(batch)[0]
                   if isinstance(leaf, (torch.Tensor, values.DistributedValues))]
-        first = leaves[0] if leaves else None
-        if isinstance(first, values.DistributedValues):
-            parts = first.values
-        else:
-            parts = (first,)
+        first = leaves[0] if leaves else batch
+    if isinstance(first, values.DistributedValues):
+        parts, replicas = first.values, first.replica_ids
+    else:
+        parts, replicas = (first,), (None,)
     counts = []
-    for part in parts:
+    for replica, part in zip(replicas, parts):
         if not isinstance(part, torch.Tensor) or part.dim() == 0:
-            raise TypeError("ts.accumulate counts a micro-batch's examples along dim 0 of its "
-                            f"first tensor, but found {type(part).__name__}"
+            raise TypeError("micro.compute_average_loss counts a micro-batch's examples "
+                            "along dim 0 of its first tensor, but found "
+                            f"{type(part).__name__}"
                             + (" of shape []" if isinstance(part, torch.Tensor) else "")
-                            + ". Give batches whose first tensor has a batch dimension.")
-        counts.append(part.shape[0])
+                            + ". Give batches whose first tensor has a batch dimension, or "
+                            "use micro.scale_mean_loss(loss), which needs no count.")
+        counts.append((replica, int(part.shape[0])))
     return counts
-
-
-def _global_examples(strategy: AnyStrategy, group: Sequence[Any]) -> float:
-    """Examples in the whole group summed over every replica (one all-reduce)."""
-    per_part = [_local_examples(batch) for batch in group]
-    totals = [float(sum(column)) for column in zip(*per_part)]
-    parts = iter(totals)
-    counts = strategy.experimental_distribute_values_from_function(
-        lambda ctx: torch.tensor(next(parts), dtype=torch.float64))
-    return strategy.reduce(ReduceOp.SUM, counts, axis=None).item()
 
 
 class MicroBatch:
@@ -123,10 +213,10 @@ class MicroBatch:
     Attributes:
       batch: the micro-batch, as the iterable gave it.
       index: its position in the group (0 .. group_size - 1).
-      group_size: micro-batches in this group (`steps`, or fewer for the last group).
+      group_size: micro-batches in this group (`steps`, or fewer for the last group of a
+        sized iterable).
       is_last: True for the group's last micro-batch: its backward sums the gradients
         across replicas; take the optimizer step after it.
-      group_examples: examples in the whole group, summed over every replica.
 
     ``with micro:`` defers communication (``strategy.extended.no_sync()``) unless it is
     the last micro-batch; a backward outside it communicates at once, which is slower but
@@ -134,14 +224,21 @@ class MicroBatch:
     """
 
     def __init__(self, strategy: AnyStrategy, batch: Any, index: int, group_size: int,
-                 group_examples: float) -> None:
+                 group: _Group) -> None:
         self.batch = batch
         self.index = index
         self.group_size = group_size
         self.is_last = index == group_size - 1
-        self.group_examples = group_examples
+        self._group = group
         self._strategy = strategy
         self._stack: contextlib.ExitStack | None = None
+
+    @property
+    def group_examples(self) -> float:
+        """Examples in the whole group, summed over every replica. The first request of a
+        group reads the group's remaining micro-batches (kept for the coming iterations)
+        and all-reduces their count; every replica asks at the same point."""
+        return self._group.examples(None)
 
     def __enter__(self) -> MicroBatch:
         self._stack = contextlib.ExitStack()
@@ -161,16 +258,20 @@ class MicroBatch:
                              ) -> torch.Tensor:
         """``ts.compute_average_loss`` over the whole group: ``sum(loss * weight)`` divided
         by `group_examples`, so the group's summed gradients are those of the mean loss
-        over all its examples on every replica (one device on the large batch)."""
+        over all its examples on every replica (one device on the large batch). The count
+        costs one all-reduce per group and reads the group's remaining micro-batches ahead
+        (see `group_examples`)."""
+        device = per_example_loss.device if isinstance(per_example_loss, torch.Tensor) \
+            else None
         return losses.compute_average_loss(per_example_loss, sample_weight,
-                                           global_batch_size=self.group_examples)
+                                           global_batch_size=self._group.examples(device))
 
     def scale_mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``ts.scale_mean_loss(loss) / group_size``: a per-replica mean loss scaled as a
-        DDP loop with accumulation does (``loss / gradient_accumulation_steps``, averaged
-        over replicas), the short last group by its own size."""
-        return losses.scale_mean_loss(loss) / self.group_size
+        """``ts.scale_mean_loss(loss / group_size)``: a per-replica mean loss scaled as a
+        DDP loop with accumulation does (nanoGPT's ``loss / gradient_accumulation_steps``,
+        then averaged over replicas). Needs no communication and reads nothing ahead."""
+        return losses.scale_mean_loss(loss / self.group_size)
 
     def __repr__(self) -> str:
         return (f"MicroBatch(index={self.index}, group_size={self.group_size}, "
-                f"group_examples={self.group_examples:g})")
+                f"is_last={self.is_last})")
