@@ -84,13 +84,27 @@ class Runtime:
 
     def adopt_world(self, world: world_lib.World) -> world_lib.World:
         """Records `world` as this process's world (a second strategy joins it instead of
-        launching again). Re-executed replicas start watching their replica 0 here."""
+        launching again) and gives the process torchrun's variables for it
+        (`world_lib.publish_environment`: RANK, LOCAL_RANK, WORLD_SIZE, ...; a launcher's
+        own values are never replaced). Re-executed replicas start watching their replica
+        0 here."""
         with self._lock:
             self._world = world
+            world_lib.publish_environment(world)
             if world.launcher == "reexec" and world.rank > 0 and not self._watching_parent:
                 self._watching_parent = True
                 reexec.watch_parent()
         return world
+
+    def start_alone(self, timeout_seconds: float) -> world_lib.World:
+        """Becomes a world of one replica (a plain process whose strategy has one): rank 0
+        of 1, with a rendezvous store of its own on a loopback port the OS picks, which
+        MASTER_PORT names as torchrun's would; returns the `World`, which carries the
+        store for the process group of one."""
+        with self._lock:
+            store = reexec.listening_store("127.0.0.1", 1,
+                                           datetime.timedelta(seconds=timeout_seconds))
+            return self.adopt_world(world_lib.World(master_port=store.port, store=store))
 
     def start_local_replicas(self, num_replicas: int, timeout_seconds: float,
                              **multi_machine: Any) -> world_lib.World:

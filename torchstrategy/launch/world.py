@@ -7,6 +7,14 @@ Three launchers are recognised, in this order:
    MASTER_PORT), so code that reads those works the same under every launcher.
 2. torchrun (torch.distributed.run), recognised by its variables.
 3. Otherwise the process is alone: a plain ``python train.py``.
+
+Once a strategy has established its world, `publish_environment` gives this process
+torchrun's variables for it whatever launched it (re-execution's replica 0 and a replica
+alone included), so DDP-style code that reads them (``int(os.environ["LOCAL_RANK"])``,
+``ddp = int(os.environ.get("RANK", -1)) != -1``) agrees on every replica. Variables a
+torchstrategy process published for its own world and a child process merely inherited
+(same values, another process) describe the parent, not the child: they are not taken
+for a launcher's.
 """
 from __future__ import annotations
 
@@ -23,6 +31,18 @@ DEFAULT_TIMEOUT_SECONDS = 1800.0
 # without an uncaught exception (`Runtime.announce_finished`; read by the roll call after a
 # failed collective, and by re-execution's supervisor).
 FINISHED_KEY = "torchstrategy/finished/{}"
+# torchrun's variables that describe a worker's place in the world (torch's
+# torch.distributed.elastic agent sets them all; the ROLE_ ones equal the global ones with
+# the single role torchrun knows).
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                      "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR",
+                      "MASTER_PORT")
+# "<pid> <the values>" of the variables `publish_environment` wrote in process <pid>.
+PUBLISHED_ENV = "TORCHSTRATEGY_PUBLISHED_WORLD"
+# The launchers whose world torchstrategy itself established: their variables are ours to
+# write (any such variables already present were inherited or written by us, see
+# `from_environment`); under any other launcher only missing variables are added.
+OWN_LAUNCHERS = ("single", "reexec", "launch")
 
 
 @dataclasses.dataclass
@@ -63,8 +83,54 @@ def _int_env(name: str, default: int | None = None) -> int:
         raise RuntimeError(f"Environment variable {name}={value!r} is not an integer.") from None
 
 
+def torchrun_environment(world: World) -> dict[str, str]:
+    """torchrun's variables (`TORCHRUN_VARIABLES`) describing `world`, meaning what torchrun
+    gives them: global rank and count, rank and count on this machine, this machine's index
+    (GROUP_RANK) and the number of machines, and the rendezvous store's address. MASTER_ADDR
+    and MASTER_PORT are left out when the world has no store address (port 0)."""
+    env = {"RANK": str(world.rank), "LOCAL_RANK": str(world.local_rank),
+           "WORLD_SIZE": str(world.world_size),
+           "LOCAL_WORLD_SIZE": str(world.local_world_size),
+           "GROUP_RANK": str(world.node_rank), "GROUP_WORLD_SIZE": str(world.num_nodes),
+           "ROLE_RANK": str(world.rank), "ROLE_WORLD_SIZE": str(world.world_size)}
+    if world.master_port:
+        env.update(MASTER_ADDR=world.master_addr, MASTER_PORT=str(world.master_port))
+    return env
+
+
+def _published_values() -> str:
+    return " ".join(f"{name}={os.environ.get(name, '')}"
+                    for name in (LAUNCHER_ENV,) + TORCHRUN_VARIABLES)
+
+
+def publish_environment(world: World) -> None:
+    """Gives this process torchrun's variables for `world` (`torchrun_environment`).
+
+    Under a launcher torchstrategy itself runs (`OWN_LAUNCHERS`: one replica alone,
+    re-execution, ``ts.launch``) they are written, replacing stale inherited ones; under
+    any other (torchrun, srun, an adopted group) only the missing ones are added, never
+    replacing a launcher's value.
+    """
+    ours = world.launcher in OWN_LAUNCHERS
+    for name, value in torchrun_environment(world).items():
+        if ours or name not in os.environ:
+            os.environ[name] = value
+    if ours:
+        os.environ[PUBLISHED_ENV] = f"{os.getpid()} {_published_values()}"
+
+
+def inherited_from_parent() -> bool:
+    """True when torchrun's variables here are exactly those a torchstrategy process
+    published for its own world, and this is another process (its child, a fork): they
+    describe the parent's world, not a launcher's for this process."""
+    pid, _, values = os.environ.get(PUBLISHED_ENV, "").partition(" ")
+    return pid.isdigit() and int(pid) != os.getpid() and values == _published_values()
+
+
 def under_torchrun() -> bool:
     """True when torchrun (or another launcher setting its variables) started this process."""
+    if inherited_from_parent():
+        return False
     if "TORCHELASTIC_RUN_ID" in os.environ:
         return True
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
@@ -73,7 +139,7 @@ def under_torchrun() -> bool:
 def from_environment() -> World | None:
     """The `World` described by the environment, or None for a plain process."""
     launcher = os.environ.get(LAUNCHER_ENV)
-    if launcher is None and not under_torchrun():
+    if launcher is None and not under_torchrun() or inherited_from_parent():
         return None
     world_size = _int_env("WORLD_SIZE")
     local_world_size = _int_env("LOCAL_WORLD_SIZE", world_size)
@@ -132,14 +198,12 @@ def replica_environment(rank: int, world_size: int, port: int, launcher: str, ti
     from ``node_rank * world_size // num_nodes``.
     """
     local_world_size = world_size // num_nodes
-    env = {
-        "RANK": str(rank), "LOCAL_RANK": str(rank - node_rank * local_world_size),
-        "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(local_world_size),
-        "GROUP_RANK": str(node_rank), "GROUP_WORLD_SIZE": str(num_nodes),
-        "MASTER_ADDR": master_addr, "MASTER_PORT": str(port),
-        LAUNCHER_ENV: launcher, TIMEOUT_ENV: repr(float(timeout)),
-        PARENT_PID_ENV: str(os.getpid()),
-    }
+    env = torchrun_environment(World(
+        rank=rank, world_size=world_size, local_rank=rank - node_rank * local_world_size,
+        local_world_size=local_world_size, launcher=launcher, master_addr=master_addr,
+        master_port=port, node_rank=node_rank, num_nodes=num_nodes))
+    env.update({LAUNCHER_ENV: launcher, TIMEOUT_ENV: repr(float(timeout)),
+                PARENT_PID_ENV: str(os.getpid())})
     return env
 
 

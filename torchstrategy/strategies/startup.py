@@ -8,8 +8,11 @@ ShardedStrategy do when they are constructed, in this order:
    started by re-executing the program (several machines of a TF_CONFIG-style cluster meet
    at the first training task's address and agree on their number of replicas);
 2. pick this replica's device and the backend that carries the collectives;
-3. create (or adopt) the default process group, when there is more than one replica or
-   the strategy needs a group anyway;
+3. create (or adopt) the default process group, a group of one included (unless the
+   strategy asks for none), so that DDP-style code asking torch.distributed
+   (``dist.get_rank()``, ``DistributedSampler``, ``dist.barrier()``) works unchanged with
+   one replica; the world's torchrun variables (RANK, LOCAL_RANK, WORLD_SIZE, ...) are
+   in the environment from step 1 on (`Runtime.adopt_world`);
 4. build the `Communicator`, with the diagnosis that names the replicas (and machines)
    missing after a failed collective.
 
@@ -47,7 +50,7 @@ class ReplicaProcess:
       local_devices: the devices of this machine's replicas, one per local process.
       torch_device: this process's replica's device (``local_devices[world.local_rank]``).
       backend: the torch.distributed backend of the collectives ("nccl" or "gloo"), also
-        where no process group was created (one replica).
+        where no process group was created (one replica, ``group_for_one_replica=False``).
       communicator: the replicas' `Communicator` over the default process group, its
         ``diagnose`` naming missing replicas after a failed collective.
     """
@@ -68,7 +71,7 @@ def start_replica_process(
         *, devices: Sequence[str | torch.device] | None, timeout_seconds: float,
         cross_device_ops: CrossDeviceOps, cluster_resolver: ClusterResolver | None = None,
         implementation: CommunicationImplementation = CommunicationImplementation.AUTO,
-        group_for_one_replica: bool = False,
+        group_for_one_replica: bool = True,
         check_world: Callable[[world_lib.World], object] | None = None) -> ReplicaProcess:
     """Finds this process's world, creates or adopts its process group and builds its
     `Communicator` (see the module docstring for the order).
@@ -86,8 +89,10 @@ def start_replica_process(
         per-machine groups.
       implementation: the `CommunicationImplementation` the backend is chosen for; NCCL
         without GPUs warns (before anything is re-executed) and uses gloo.
-      group_for_one_replica: True to create a process group even for one replica (an
-        in-memory group of size 1; FSDP2 needs one).
+      group_for_one_replica: whether one replica gets a process group too (default True:
+        a gloo or NCCL group of size 1 over the world's own store; DDP-style code and FSDP2
+        need one); False leaves torch.distributed uninitialised for one replica. An
+        existing group is adopted either way.
       check_world: called with the world once it is known and before any process group
         is created: a strategy's checks of the replica count raise there.
 
@@ -110,8 +115,8 @@ def start_replica_process(
     if world.world_size > 1 or group_for_one_replica:
         if torch_device.type == "cuda":
             torch.cuda.set_device(torch_device)
-        if world.world_size == 1 and not dist.is_initialized():
-            # One replica: a group of size 1 whose store lives in memory.
+        if world.world_size == 1 and world.store is None and not dist.is_initialized():
+            # One replica under a launcher: a group of size 1 whose store lives in memory.
             world = dataclasses.replace(world, store=dist.HashStore())
         runtime.current().init_process_group(world, backend, timeout_seconds)
         if cluster_resolver is not None and world.world_size > 1 and \
@@ -191,7 +196,7 @@ def _one_machine_world(parsed: list[ReplicaDevice] | None, timeout_seconds: floa
         local = parsed or default_local_devices()
         if len(local) > 1:
             return process.start_local_replicas(len(local), timeout_seconds), local
-        world = world_lib.World()
+        return process.start_alone(timeout_seconds), local
     else:
         if parsed is not None and len(parsed) != world.local_world_size and \
                 world.launcher == "single":
