@@ -28,8 +28,9 @@ from torchstrategy.communication_options import (CommunicationImplementation,
                                                  CommunicationOptions)
 from torchstrategy.collectives.cross_device_ops import (CrossDeviceOps, NcclAllReduce,
                                                         ReductionToOneDevice)
-from torchstrategy.context import (get_cross_replica_context, get_replica_context,
-                                   get_strategy, has_strategy, in_cross_replica_context)
+from torchstrategy.context import (experimental_set_strategy, get_cross_replica_context,
+                                   get_replica_context, get_strategy, has_strategy,
+                                   in_cross_replica_context)
 from torchstrategy.input.contexts import (InputContext, InputOptions, InputReplicationMode,
                                           ValueContext)
 from torchstrategy.launch.spawn import launch
@@ -120,6 +121,7 @@ __all__ = [  # one name a line, sorted: adding a name touches one line
     "checkpoint",
     "cluster_resolver",
     "compute_average_loss",
+    "experimental_set_strategy",
     "get_cross_replica_context",
     "get_replica_context",
     "get_strategy",

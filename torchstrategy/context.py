@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 # A `Strategy` and a `ReplicaContext`, as the layers below the strategies name them: their
 # classes live in higher layers (strategies/base.py, replica_context.py), which this module
@@ -29,7 +29,9 @@ from typing import Any, Callable, Iterator
 AnyStrategy = Any
 AnyReplicaContext = Any
 
-_state = threading.local()  # .stack: this thread's list of _Entry, bottom = the default
+# .stack: this thread's list of _Entry, bottom = the default; .set_scope: the scope that
+# `experimental_set_strategy` entered in this thread and the stack's depth inside it.
+_state = threading.local()
 
 
 class _DefaultStrategyRegistry:
@@ -137,3 +139,33 @@ def active_non_default_strategy() -> AnyStrategy | None:
         if not _registry.is_default(entry.strategy):
             return entry.strategy
     return None
+
+
+def experimental_set_strategy(strategy: AnyStrategy | None) -> None:
+    """Makes `strategy` this thread's current strategy as if its ``scope()`` were entered
+    and never exited (tf.distribute.experimental_set_strategy); None leaves the scope it
+    entered, back to the default strategy. Setting another strategy first leaves the
+    previous one's scope. As TensorFlow's, the state is per thread (a replica thread or a
+    new thread starts with the default strategy).
+
+    Raises:
+      RuntimeError: called inside a ``strategy.scope()`` or ``strategy.run`` (other than
+        the scope this function entered), as TensorFlow refuses it.
+    """
+    if strategy is not None and not callable(getattr(strategy, "scope", None)):
+        raise TypeError(f"experimental_set_strategy needs a ts.Strategy or None, got "
+                        f"{strategy!r:.80}.")
+    held: tuple[ContextManager[Any], int] | None = getattr(_state, "set_scope", None)
+    if held is not None and len(_stack()) != held[1]:
+        raise RuntimeError("experimental_set_strategy must not be called inside a strategy's "
+                           "scope() or run (as in TensorFlow): leave the `with` block first.")
+    if held is not None:
+        _state.set_scope = None
+        held[0].__exit__(None, None, None)
+    if has_strategy() or in_run():
+        raise RuntimeError("experimental_set_strategy must not be called inside a strategy's "
+                           "scope() or run (as in TensorFlow): leave the `with` block first.")
+    if strategy is not None:
+        scope = strategy.scope()
+        scope.__enter__()
+        _state.set_scope = (scope, len(_stack()))

@@ -5,9 +5,41 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from torchstrategy import context, values
+from torchstrategy import context, nest, values
 from torchstrategy.communication_options import CommunicationOptions
 from torchstrategy.reduce_op import ReduceOp
+from torchstrategy.variables import Variable
+
+
+def _is_variable(leaf: Any) -> bool:
+    # A variable (a ts.Variable of any kind, or a module's parameter) is one object that
+    # every replica shares, in TensorFlow's sense of a MirroredVariable: merge_fn must get
+    # it to pass to extended.update / reduce_to, not a PerReplica of it.
+    return isinstance(leaf, (Variable, torch.nn.Parameter))
+
+
+def merge_arguments(structures: list[Any], replica_ids: tuple[int, ...],
+                    num_replicas: int | None = None) -> Any:
+    """The arguments `merge_fn` receives from ``merge_call``: `structures` holds one
+    structure per local replica (the same layout in each), zipped leaf by leaf.
+
+    A leaf that is a variable (``ts.Variable`` or ``torch.nn.Parameter``) and is the same
+    object on every local replica is passed as that variable, as TensorFlow passes a
+    MirroredVariable; every other non-None leaf becomes a `PerReplica` of the replicas'
+    leaves. None leaves stay None.
+    """
+    flattened = [nest.flatten(s) for s in structures]
+    spec = flattened[-1][1]
+    merged: list[Any] = []
+    for parts in zip(*(leaves for leaves, _ in flattened)):
+        first = parts[0]
+        if first is None:
+            merged.append(None)
+        elif _is_variable(first) and all(part is first for part in parts):
+            merged.append(first)
+        else:
+            merged.append(values.PerReplica(tuple(parts), replica_ids, num_replicas))
+    return nest.pack(spec, merged)
 
 
 class ReplicaContext:
@@ -69,13 +101,14 @@ class ReplicaContext:
         """Calls ``merge_fn(strategy, *args, **kwargs)`` in cross-replica context.
 
         As in TensorFlow, the arguments reach `merge_fn` as distributed values (PerReplica)
-        so that it can call ``strategy.reduce`` / ``strategy.extended.reduce_to`` on them;
-        distributed values in its result are returned to the replica as local values.
+        so that it can call ``strategy.reduce`` / ``strategy.extended.reduce_to`` on them,
+        except variables (``ts.Variable``, parameters), which arrive as themselves, as a
+        MirroredVariable does (TF's ``merge_fn(strategy, v, value)`` calling
+        ``strategy.extended.update(v, ...)``); distributed values in its result are returned
+        to the replica as local values.
         """
-        kwargs = kwargs or {}
         ids = (self._replica_id,)
-        args = values.wrap(args, ids)
-        kwargs = values.wrap(kwargs, ids)
+        args, kwargs = merge_arguments([(tuple(args), dict(kwargs or {}))], ids)
         with context.enter(self._strategy, None):
             result = merge_fn(self._strategy, *args, **kwargs)
         return values.local_component(result)

@@ -85,13 +85,15 @@ def test_srun_step_gives_ranks_master_and_the_job_id_port():
 
 
 def test_gpus_from_the_step_then_cuda_visible_devices():
-    assert ts.SlurmClusterResolver(environ=srun(SLURM_STEP_GPUS="0,1,2,3",
-                                                CUDA_VISIBLE_DEVICES="0")
-                                   ).num_accelerators() == {"GPU": 4}
-    assert ts.SlurmClusterResolver(environ=srun(CUDA_VISIBLE_DEVICES="2,3")
-                                   ).num_accelerators() == {"GPU": 2}
+    # A node's GPUs come from the step, then CUDA_VISIBLE_DEVICES; num_accelerators()
+    # counts one task's (two tasks per node here), as TensorFlow's does.
+    step_gpus = ts.SlurmClusterResolver(environ=srun(SLURM_STEP_GPUS="0,1,2,3",
+                                                     CUDA_VISIBLE_DEVICES="0"))
+    assert step_gpus.gpus_per_node() == 4 and step_gpus.num_accelerators() == {"GPU": 2}
+    visible = ts.SlurmClusterResolver(environ=srun(CUDA_VISIBLE_DEVICES="2,3"))
+    assert visible.gpus_per_node() == 2 and visible.num_accelerators() == {"GPU": 1}
     assert ts.SlurmClusterResolver(gpus_per_node=8, environ=srun()).num_accelerators() == \
-        {"GPU": 8}
+        {"GPU": 4}
 
 
 @pytest.mark.parametrize("env,message", [

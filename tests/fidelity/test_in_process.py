@@ -141,9 +141,13 @@ def test_run_options_are_honoured_or_refused_with_the_reason(central):
         central.run(lambda: 1, options=ts.RunOptions(experimental_xla_options={"a": 1}))
     with pytest.raises(TypeError, match="options must be a ts.RunOptions"):
         strategy.run(lambda: 1, options={"experimental_enable_dynamic_batch_size": True})
-    with pytest.raises(ValueError, match="CentralStorageStrategy cannot honour"):
+    # TensorFlow's hints are accepted (issue 27); compression, which would round, is not.
+    assert central.extended.reduce_to("SUM", central.run(lambda: torch.ones(1)), "cpu",
+                                      options=ts.CommunicationOptions(bytes_per_pack=8)
+                                      ).item() == 2.0
+    with pytest.raises(ValueError, match="CentralStorageStrategy cannot honour compression"):
         central.extended.reduce_to("SUM", central.run(lambda: torch.ones(1)), "cpu",
-                                   options=ts.CommunicationOptions(bytes_per_pack=8))
+                                   options=ts.CommunicationOptions(compression="bf16"))
 
 
 def test_cross_device_ops_api_in_process(central):

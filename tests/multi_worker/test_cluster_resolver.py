@@ -119,7 +119,8 @@ def test_torch_elastic_resolver():
     env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
            "GROUP_RANK": "2", "MASTER_ADDR": "10.1.1.1", "MASTER_PORT": "29400"}
     resolver = ts.TorchElasticClusterResolver(environ=env)
-    assert (resolver.task_type, resolver.task_id) == ("worker", 2)
+    # A TensorFlow task is a process: task_id is the global rank; the machine is GROUP_RANK.
+    assert (resolver.task_type, resolver.task_id, resolver.node_rank) == ("worker", 5, 2)
     assert resolver.num_workers == 4 and resolver.worker_index == 2 and not resolver.is_chief
     assert resolver.rendezvous_address() == ("10.1.1.1", 29400)
     assert resolver.cluster_spec().task_address("worker", 0) == "10.1.1.1:29400"

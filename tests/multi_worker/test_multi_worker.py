@@ -70,7 +70,8 @@ def _check_training(outdir, machines, reference, expected_tasks):
 
 def test_two_torchrun_machines_train_like_one_device(tmp_path, reference):
     machines = start_torchrun_machines("train", tmp_path, nproc=2)
-    _check_training(tmp_path, machines, reference, [("worker", 0)] * 2 + [("worker", 1)] * 2)
+    # Under torchrun a task is a process, as in TensorFlow: task_id is the global rank.
+    _check_training(tmp_path, machines, reference, [("worker", r) for r in range(4)])
 
 
 def test_two_tf_config_machines_train_like_one_device(tmp_path, reference):
@@ -86,7 +87,7 @@ def test_two_machines_on_separate_addresses(tmp_path, reference, launcher):
         if launcher == "torchrun":
             machines = start_torchrun_machines("train", tmp_path, nproc=2, hosts=addresses,
                                                netns=namespaces, ifnames=ifnames)
-            tasks = [("worker", 0)] * 2 + [("worker", 1)] * 2
+            tasks = [("worker", r) for r in range(4)]   # a torchrun task is a process
         else:
             machines = start_tf_config_machines("train", tmp_path, replicas=2,
                                                 hosts=addresses, netns=namespaces,

@@ -15,7 +15,7 @@ at MASTER_ADDR:MASTER_PORT, where the master pod serves the rendezvous.
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from typing import Any, Mapping
 
 from torchstrategy.cluster_resolver.base import RendezvousClusterResolver
 from torchstrategy.launch import world as world_lib
@@ -47,10 +47,48 @@ def kubeflow_job(environ: Mapping[str, str] | None = None) -> bool:
             and "LOCAL_RANK" not in env)
 
 
+def _refuse_kubernetes_api_arguments(job_to_label_mapping: Mapping[str, Any] | None,
+                                     tf_server_port: int | None,
+                                     override_client: Any) -> None:
+    """Refuses TensorFlow's arguments that need the Kubernetes API or TF's own servers."""
+    if job_to_label_mapping is not None:
+        if isinstance(job_to_label_mapping, Mapping) and any(
+                isinstance(k, str) and k.isupper() for k in job_to_label_mapping):
+            hint = (" It looks like environment variables: pass them as "
+                    "KubernetesClusterResolver(environ=...).")
+        else:
+            hint = ""
+        raise ValueError(
+            f"KubernetesClusterResolver(job_to_label_mapping={job_to_label_mapping!r:.80}): "
+            "TensorFlow lists the pods of each job by label through the Kubernetes API; "
+            "torchstrategy reads the cluster from a Kubeflow PyTorchJob's variables instead "
+            "(every pod is a 'worker', the Master pod is worker 0) and cannot select pods "
+            "by label. Run the program as a PyTorchJob and leave job_to_label_mapping None, "
+            "or describe the cluster yourself with ts.SimpleClusterResolver(cluster_spec, "
+            f"task_type=..., task_id=...).{hint}")
+    if tf_server_port is not None:
+        raise ValueError(
+            f"KubernetesClusterResolver(tf_server_port={tf_server_port!r}): the pods meet at "
+            "the PyTorchJob's MASTER_PORT, not at a TensorFlow server port on every pod. "
+            "Leave tf_server_port None and set MASTER_PORT (the training operator sets it).")
+    if override_client is not None:
+        raise ValueError(
+            "KubernetesClusterResolver(override_client=...): no Kubernetes API client is "
+            "used (the cluster comes from the PyTorchJob's variables). Leave it None.")
+
+
 class KubernetesClusterResolver(RendezvousClusterResolver):
     """This pod's place in a Kubeflow PyTorchJob (see the module docstring).
 
-    Args:
+    Args (TensorFlow's signature, then ours keyword-only):
+      job_to_label_mapping: TensorFlow finds the pods by label through the Kubernetes API;
+        here the pods are the PyTorchJob's, from its variables, so only None is accepted
+        (anything else is refused, saying so).
+      tf_server_port: TensorFlow's port for every pod's server; the pods here meet at the
+        job's MASTER_PORT, so only None is accepted (set MASTER_PORT instead).
+      rpc_layer: prefix of `master()` addresses, e.g. "grpc" (default none).
+      override_client: a Kubernetes API client in TensorFlow; none is used here, so only
+        None is accepted.
       environ: the variables to read (default os.environ), e.g. for tests.
 
     Every pod is one task of job "worker", its index the pod's rank (PET_NODE_RANK, else
@@ -63,10 +101,16 @@ class KubernetesClusterResolver(RendezvousClusterResolver):
     Raises:
       ValueError: a missing or malformed variable, named; WORLD_SIZE disagreeing with
         PET_NNODES x PET_NPROC_PER_NODE; an elastic PET_NNODES range (``1:4``), which needs
-        torchrun in the container.
+        torchrun in the container; a TensorFlow argument that cannot be honoured here
+        (`job_to_label_mapping`, `tf_server_port`, `override_client` other than None).
     """
 
-    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(self, job_to_label_mapping: Mapping[str, Any] | None = None,
+                 tf_server_port: int | None = None, rpc_layer: str | None = None,
+                 override_client: Any = None, *,
+                 environ: Mapping[str, str] | None = None) -> None:
+        _refuse_kubernetes_api_arguments(job_to_label_mapping, tf_server_port,
+                                         override_client)
         env = os.environ if environ is None else environ
         missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if env.get(n, "") == ""]
         if env.get("PET_NODE_RANK", "") == "" and env.get("RANK", "") == "":
@@ -115,5 +159,5 @@ class KubernetesClusterResolver(RendezvousClusterResolver):
                              f"(0..{pods - 1}).")
         self._num_workers = pods
         self.task_id = pod
-        self.rpc_layer = None
+        self.rpc_layer = rpc_layer
         self.environment = "kubernetes"

@@ -140,10 +140,19 @@ class SlurmClusterResolver(ClusterResolver):
         MASTER_PORT is set (default 8888, TensorFlow's).
       gpus_per_node: GPUs on each node; None reads SLURM_STEP_GPUS, else
         CUDA_VISIBLE_DEVICES, else counts this machine's GPUs.
+      gpus_per_task: GPUs each task uses (what `num_accelerators()` reports, as in
+        TensorFlow); None divides the node's GPUs by its tasks. More GPUs per node than
+        the node has is refused, as TensorFlow refuses it.
       tasks_per_node: tasks on each node; None reads SLURM_STEP_TASKS_PER_NODE or
         SLURM_TASKS_PER_NODE (or divides the tasks evenly over the nodes).
+      auto_set_gpu: TensorFlow's default (True) narrows CUDA_VISIBLE_DEVICES to the task's
+        GPUs. Here each task is one replica and the strategy gives it the GPU of its local
+        id (``cuda:SLURM_LOCALID``) among the node's GPUs, which narrowing would hide, so
+        the default is False and True is refused (the task's GPU is the same one TF's
+        narrowing gives with one GPU per task; pin tensors to
+        ``strategy.extended.torch_device``, not ``cuda:0``).
       rpc_layer: prefix of `master()` addresses, as TensorFlow's (default none).
-      environ: the variables to read (default os.environ), e.g. for tests.
+      environ: the variables to read (default os.environ), e.g. for tests (keyword only).
 
     The step's variables are preferred to the job's (SLURM_STEP_NODELIST to
     SLURM_JOB_NODELIST, SLURM_STEP_NUM_TASKS to SLURM_NTASKS), since a step may run on part
@@ -159,8 +168,20 @@ class SlurmClusterResolver(ClusterResolver):
 
     def __init__(self, jobs: Mapping[str, int] | None = None,
                  port_base: int = DEFAULT_PORT_BASE, gpus_per_node: int | None = None,
-                 tasks_per_node: int | None = None, rpc_layer: str | None = None,
+                 gpus_per_task: int | None = None, tasks_per_node: int | None = None,
+                 auto_set_gpu: bool = False, rpc_layer: str | None = None, *,
                  environ: Mapping[str, str] | None = None) -> None:
+        if auto_set_gpu:
+            raise ValueError(
+                "SlurmClusterResolver(auto_set_gpu=True): every SLURM task is one replica, "
+                "and the strategy gives it the GPU of its local id (cuda:SLURM_LOCALID) "
+                "among the node's GPUs; narrowing CUDA_VISIBLE_DEVICES to the task's GPUs, as "
+                "TensorFlow does, would hide that GPU. Leave auto_set_gpu=False (the task "
+                "uses the same GPU) and place tensors on strategy.extended.torch_device.")
+        for name, count in (("gpus_per_node", gpus_per_node), ("gpus_per_task", gpus_per_task)):
+            if count is not None and (isinstance(count, bool) or not isinstance(count, int)
+                                      or count < 0):
+                raise ValueError(f"{name} must be an integer >= 0, got {name}={count!r}.")
         env = os.environ if environ is None else environ
         missing = [n for n in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_JOB_ID")
                    if env.get(n, "") == ""]
@@ -218,6 +239,15 @@ class SlurmClusterResolver(ClusterResolver):
             self.master_port = port_base + self.job_id % PORT_SPREAD
         self._gpus_per_node = gpus_per_node
         self._env = dict(env)
+        self._gpus_per_task = gpus_per_task
+        if gpus_per_task is not None:
+            node_gpus = self._node_gpus()
+            if gpus_per_task * self.local_world_size > node_gpus:
+                raise ValueError(
+                    f"gpus_per_task={gpus_per_task} x {self.local_world_size} task(s) per "
+                    f"node needs {gpus_per_task * self.local_world_size} GPUs, but a node has "
+                    f"{node_gpus}: requested more GPUs per node than available (as "
+                    "TensorFlow refuses it).")
         self.task_type = "worker"
         self.task_id = self.rank
         self.rpc_layer = rpc_layer
@@ -259,16 +289,27 @@ class SlurmClusterResolver(ClusterResolver):
 
     def num_accelerators(self, task_type: str | None = None, task_id: int | None = None,
                          config_proto: Any = None) -> dict[str, int]:
-        """GPUs per node: `gpus_per_node`, else SLURM_STEP_GPUS, else CUDA_VISIBLE_DEVICES
-        (counted), else this machine's."""
+        """GPUs per task, as in TensorFlow: `gpus_per_task`, else the node's GPUs divided
+        by its tasks; {} when there are none. The node's GPUs: `gpus_per_node`, else
+        SLURM_STEP_GPUS, else CUDA_VISIBLE_DEVICES (counted), else this machine's."""
+        del task_type, task_id, config_proto  # every task of a step is alike
+        count = self._gpus_per_task
+        if count is None:
+            count = self._node_gpus() // self.local_world_size
+        return {"GPU": count} if count else {}
+
+    def gpus_per_node(self) -> int:
+        """The GPUs of a node (see `num_accelerators`, which counts a task's)."""
+        return self._node_gpus()
+
+    def _node_gpus(self) -> int:
         if self._gpus_per_node is not None:
-            return {"GPU": self._gpus_per_node} if self._gpus_per_node else {}
+            return self._gpus_per_node
         for name in ("SLURM_STEP_GPUS", "CUDA_VISIBLE_DEVICES"):
             raw = self._env.get(name)
             if raw is not None:
-                count = len([d for d in raw.split(",") if d.strip() and d != "NoDevFiles"])
-                return {"GPU": count} if count else {}
-        return super().num_accelerators(task_type, task_id, config_proto)
+                return len([d for d in raw.split(",") if d.strip() and d != "NoDevFiles"])
+        return super().num_accelerators().get("GPU", 0)
 
     def world(self) -> world_lib.World:
         """The launched `World` of this step: one replica per SLURM task, rank 0's host

@@ -11,14 +11,22 @@ class InputContext:
 
     In torchstrategy's SPMD model each replica process runs its own pipeline, so
     ``num_input_pipelines`` is the number of replicas and ``input_pipeline_id`` is the
-    replica id.
+    replica id. `pipeline_id_read` tells whether ``input_pipeline_id`` was read (a
+    ``dataset_fn`` that never reads it cannot have sharded by it).
     """
 
     def __init__(self, num_input_pipelines: int = 1, input_pipeline_id: int = 0,
                  num_replicas_in_sync: int = 1) -> None:
         self.num_input_pipelines = num_input_pipelines
-        self.input_pipeline_id = input_pipeline_id
+        self._input_pipeline_id = input_pipeline_id
         self.num_replicas_in_sync = num_replicas_in_sync
+        self.pipeline_id_read = False
+
+    @property
+    def input_pipeline_id(self) -> int:
+        """This pipeline's index in 0..num_input_pipelines-1."""
+        self.pipeline_id_read = True
+        return self._input_pipeline_id
 
     def get_per_replica_batch_size(self, global_batch_size: int) -> int:
         """`global_batch_size` divided by the number of replicas.
@@ -33,7 +41,7 @@ class InputContext:
 
     def __repr__(self) -> str:
         return (f"InputContext(num_input_pipelines={self.num_input_pipelines}, "
-                f"input_pipeline_id={self.input_pipeline_id}, "
+                f"input_pipeline_id={self._input_pipeline_id}, "
                 f"num_replicas_in_sync={self.num_replicas_in_sync})")
 
 

@@ -28,7 +28,9 @@ step.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import itertools
+import warnings
 from typing import Any, Callable, Iterable, Iterator, TypeGuard, TypeVar
 
 import torch
@@ -310,6 +312,10 @@ class DistributedIterator:
         return nest.map_structure(_spec_of, self._peeked[0])
 
 
+def _specs_of(step: Any) -> Any:
+    return None if step is None else nest.map_structure(_spec_of, step)
+
+
 def _spec_of(leaf: Any) -> Any:
     components = getattr(leaf, "values", None)
     if isinstance(components, tuple) and components:
@@ -333,10 +339,57 @@ def lookahead(items: Iterable[_T], depth: int) -> Iterator[_T]:
 
 
 class ReducibleInput:
-    """``reduce(initial_state, reduce_fn)`` over the steps of a distributed input."""
+    """What every distributed input has: ``reduce(initial_state, reduce_fn)`` over its
+    steps and ``element_spec``. Subclasses keep the iterable they draw batches from in
+    `_dataset` and iterate it through `_draw()`."""
+
+    _dataset: Iterable[Any]
+    # A first batch that element_spec read ahead from a one-shot iterator, for the next
+    # iteration; and element_spec once known.
+    _held: list[Any] | None = None
+    _spec: tuple[Any] | None = None
 
     def __iter__(self) -> DistributedIterator:
         raise NotImplementedError("subclasses iterate their steps")
+
+    @property
+    def element_spec(self) -> Any:
+        """The structure of one replica's element, each tensor a `TensorSpec` (rows None,
+        the other dims and the dtype as the data gives them) and other leaves unchanged, as
+        the iterator's ``element_spec`` gives it; None when the input is empty
+        (tf.distribute's ``DistributedDataset.element_spec``).
+
+        Known without a step: the first batch of the data is read ahead once, with torch's
+        random state and the loader's generators put back afterwards, so iterating
+        afterwards gives the batches it would have given (a one-shot iterator's batch is
+        kept and given back first). No collective is run.
+        """
+        if self._spec is None:
+            self._spec = (_specs_of(self._peek()),)
+        return self._spec[0]
+
+    def _peek(self) -> Any:
+        if isinstance(self._dataset, collections.abc.Iterator):
+            if not self._held:
+                first = next(self._dataset, _END)
+                if first is _END:
+                    return None
+                self._held = [first]
+            return self._held[0]
+        generators = loader_generators(self._dataset) \
+            if isinstance(self._dataset, DataLoader) else []
+        saved = [g.get_state() for g in generators]
+        with torch.random.fork_rng(devices=[]):
+            first = next(iter(self._dataset), _END)
+        for generator, state in zip(generators, saved):
+            generator.set_state(state)
+        return None if first is _END else first
+
+    def _draw(self) -> Iterator[Any]:
+        """An iterator over `_dataset`, giving back first the batch `element_spec` read
+        ahead from a one-shot iterator."""
+        held, self._held = self._held, None
+        return itertools.chain(held, self._dataset) if held else iter(self._dataset)
 
     def reduce(self, initial_state: Any, reduce_fn: Callable[[Any, Any], Any]) -> Any:
         """Folds every step into a state: ``state = reduce_fn(state, step)`` from
@@ -475,7 +528,7 @@ class DistributedDataset(_InputBase):
             return self._iterator(self._sharded.batches(start_step))
         self._epoch_start = [g.get_state() for g in self._generators]
         self._in_epoch = True
-        batches = iter(self._dataset)
+        batches = self._draw()
         for _ in range(start_step):
             if next(batches, _END) is _END:
                 break
@@ -490,6 +543,33 @@ class DistributedDataset(_InputBase):
 
     def __len__(self) -> int:
         return len(self._dataset)  # type: ignore[arg-type]  # TypeError if it has none
+
+
+def _sharded_by_sampler(dataset: Any, num_pipelines: int) -> bool:
+    if not isinstance(dataset, DataLoader):
+        return False
+    sampler = getattr(dataset.batch_sampler, "sampler", dataset.sampler)
+    return isinstance(sampler, DistributedSampler) and sampler.num_replicas == num_pipelines
+
+
+def warn_if_pipelines_may_repeat(context: InputContext, dataset: Any) -> None:
+    """Warns (a UserWarning, shown once per place by Python's filters) when several
+    replica processes each built a pipeline with a ``dataset_fn`` that never read
+    ``context.input_pipeline_id`` and did not return a DataLoader sharded by a
+    ``DistributedSampler`` over the pipelines: every replica would then read the same
+    batches. Deciding it for sure would need a collective over the data, so this is the
+    cheap check; a pipeline that shards itself otherwise reads the id to say so."""
+    n = context.num_input_pipelines
+    if n <= 1 or context.pipeline_id_read or _sharded_by_sampler(dataset, n):
+        return
+    warnings.warn(
+        f"distribute_datasets_from_function: dataset_fn never read its InputContext's "
+        f"input_pipeline_id, and each of the {n} replica processes builds its own "
+        "pipeline, so every replica may train on the same batches. Shard by the context, "
+        "e.g. DistributedSampler(ds, num_replicas=ctx.num_input_pipelines, "
+        "rank=ctx.input_pipeline_id), or use experimental_distribute_dataset for global "
+        "batches. If the pipeline already differs per replica, read ctx.input_pipeline_id "
+        "in dataset_fn to say so.", UserWarning, stacklevel=5)
 
 
 class DistributedDatasetsFromFunction(_InputBase):
@@ -519,9 +599,10 @@ class DistributedDatasetsFromFunction(_InputBase):
                 self._dataset = dataset_fn(self._context)
         else:
             self._dataset = dataset_fn(self._context)
+        warn_if_pipelines_may_repeat(self._context, self._dataset)
 
     def __iter__(self) -> DistributedIterator:
-        return self._iterator(iter(self._dataset))
+        return self._iterator(self._draw())
 
     def __len__(self) -> int:
         return len(self._dataset)  # type: ignore[arg-type]  # TypeError if it has none

@@ -69,7 +69,7 @@ class PerHostDataset(_PerHostInput):
 
     def _steps(self) -> Iterator[Any]:
         n = len(self._devices)
-        for batch in self._dataset:
+        for batch in self._draw():
             yield self._distribute([_slice_batch(batch, n, r) for r in range(n)])
 
     def __len__(self) -> int:
@@ -92,7 +92,7 @@ class PerHostDatasetsFromFunction(_PerHostInput):
 
     def _steps(self) -> Iterator[Any]:
         n = len(self._devices)
-        iterator = iter(self._dataset)
+        iterator = self._draw()
         while True:
             parts = []
             for batch in iterator:

@@ -17,13 +17,13 @@ from torchstrategy import context, nest, values
 from torchstrategy.aggregation import VariableAggregation
 from torchstrategy.collectives.communicator import Communicator
 from torchstrategy.collectives.cross_device_ops import NcclAllReduce
-from torchstrategy.communication_options import CommunicationOptions, require_default_options
+from torchstrategy.communication_options import CommunicationOptions
 from torchstrategy.devices import default_local_devices, parse_device, parse_devices
 from torchstrategy.input.contexts import InputContext, InputOptions, ValueContext
 from torchstrategy.input.per_host import PerHostDataset, PerHostDatasetsFromFunction
 from torchstrategy.launch import world as world_lib
 from torchstrategy.reduce_op import ReduceOp, as_reduce_op, check_mean_dtype
-from torchstrategy.replica_context import ReplicaContext
+from torchstrategy.replica_context import ReplicaContext, merge_arguments
 from torchstrategy.strategies import central_reads
 from torchstrategy.strategies.base import MetricSync, Strategy, StrategyExtended, logger
 from torchstrategy.strategies.replica_threads import ReplicaGroup, run_replicas
@@ -83,24 +83,28 @@ class _ThreadCommunicator:
 
     @staticmethod
     def _meet(replica: central_reads.ReplicaReads, what: str, value: Any,
-              action: Callable[[list[Any]], Any] | None) -> Any:
-        """A rendezvous of `replica` (this thread's `ReplicaReads`) with the others; the
-        action sees the central tensors."""
+              action: Callable[[list[Any]], Any] | None,
+              timeout_seconds: float | None = None) -> Any:
+        """A rendezvous of `replica` (this thread's `ReplicaReads`) with the others, waiting
+        at most `timeout_seconds` (None: the strategy's); the action sees the central
+        tensors."""
         if action is None:
-            return replica.session.group.rendezvous(replica.replica_id, what, value)
+            return replica.session.group.rendezvous(replica.replica_id, what, value,
+                                                    timeout_seconds=timeout_seconds)
         act = action
 
         def in_central_view(contributions: list[Any]) -> Any:
             with replica.suspended():
                 return act(contributions)
         return replica.session.group.rendezvous(replica.replica_id, what, value,
-                                                in_central_view)
+                                                in_central_view, timeout_seconds)
 
     def all_reduce(self, tensors: Iterable[torch.Tensor], op: ReduceOp | str,
                    inplace: bool = False, options: CommunicationOptions | None = None
                    ) -> list[torch.Tensor]:
-        """`Communicator.all_reduce` among the replica threads (local outside a run)."""
-        _refuse_options(options, "all_reduce")
+        """`Communicator.all_reduce` among the replica threads (local outside a run);
+        `options` as `_thread_timeout` takes them."""
+        timeout = _thread_timeout(options, "all_reduce")
         op = as_reduce_op(op)
         tensors = list(tensors)
         replica = self._replica()
@@ -108,7 +112,7 @@ class _ThreadCommunicator:
             return self._alone.all_reduce(tensors, op, inplace)
         reduced = self._meet(replica, "all_reduce", tensors, lambda parts: [
             _reduce_components(op, [p[i] for p in parts], self.device)
-            for i in range(len(tensors))])
+            for i in range(len(tensors))], timeout)
         results = [r.to(t.device, copy=True).to(t.dtype) for r, t in zip(reduced, tensors)]
         if inplace:
             with torch.no_grad():
@@ -119,8 +123,9 @@ class _ThreadCommunicator:
 
     def all_gather(self, tensors: Iterable[torch.Tensor], axis: int,
                    options: CommunicationOptions | None = None) -> list[torch.Tensor]:
-        """`Communicator.all_gather` among the replica threads (local outside a run)."""
-        _refuse_options(options, "all_gather")
+        """`Communicator.all_gather` among the replica threads (local outside a run);
+        `options` as `_thread_timeout` takes them."""
+        timeout = _thread_timeout(options, "all_gather")
         tensors = list(tensors)
         replica = self._replica()
         if replica is None:
@@ -129,7 +134,7 @@ class _ThreadCommunicator:
             nest.check_gatherable(t, axis, index)
         gathered = self._meet(replica, "all_gather", tensors, lambda parts: [
             torch.cat([p[i].to(self.device) for p in parts], dim=axis)
-            for i in range(len(tensors))])
+            for i in range(len(tensors))], timeout)
         return [g.to(t.device, copy=True) for g, t in zip(gathered, tensors)]
 
     def broadcast_(self, tensors: Iterable[torch.Tensor], src: int = 0) -> list[torch.Tensor]:
@@ -176,17 +181,17 @@ class _CentralReplicaContext(ReplicaContext):
     def merge_call(self, merge_fn: Callable[..., Any], args: tuple[Any, ...] = (),
                    kwargs: Mapping[str, Any] | None = None) -> Any:
         """Calls ``merge_fn(strategy, *args, **kwargs)`` once, in cross-replica context,
-        with every replica's arguments as `PerReplica` values; each replica gets the result
-        (its own component of distributed values in it)."""
+        with every replica's arguments as `PerReplica` values (a variable they all share as
+        itself); each replica gets the result (its own component of distributed values in
+        it)."""
         kwargs = kwargs or {}
         replica = self.reads
         ids = tuple(range(self.num_replicas_in_sync))
 
         def merge(contributions: list[Any]) -> Any:
-            per_replica_args = values.wrap([c[0] for c in contributions], ids,
-                                           num_replicas=len(ids))
-            per_replica_kwargs = values.wrap([c[1] for c in contributions], ids,
-                                             num_replicas=len(ids))
+            # Variables shared by every replica arrive as themselves (as in TensorFlow).
+            per_replica_args, per_replica_kwargs = merge_arguments(contributions, ids,
+                                                                   len(ids))
             with replica.suspended(), context.enter(self._strategy, None):
                 return merge_fn(self._strategy, *per_replica_args, **per_replica_kwargs)
 
@@ -364,7 +369,7 @@ class CentralStorageExtended(StrategyExtended):
                         options: CommunicationOptions | None = None) -> list[Any]:
         """Reduces each value across replicas onto its destination (default: the
         parameter device); returns plain tensors (the process holds one copy)."""
-        _refuse_options(options, "batch_reduce_to / reduce_to")
+        _thread_timeout(options, "batch_reduce_to / reduce_to")  # no wait: nothing to bound
         results = []
         for value, destinations in value_destination_pairs:
             device = destination_device(destinations) or self._parameter_device
@@ -448,14 +453,28 @@ class CentralStorageExtended(StrategyExtended):
 
 
 
-def _refuse_options(options: CommunicationOptions | None, what: str) -> None:
-    """Collectives among threads of one process have no packs, no implementation to choose
-    and no timeout other than the strategy's: only default options are accepted."""
-    require_default_options(options, lambda o: (
-        f"CentralStorageStrategy cannot honour {o!r} in {what}: its replicas are "
-        "threads of one process that combine their values in memory, so there is no "
-        "pack size, implementation or compression to choose. Pass options=None; bound "
-        "every synchronisation with CentralStorageStrategy(timeout_seconds=...)."))
+def _thread_timeout(options: CommunicationOptions | None, what: str) -> float | None:
+    """How long a collective among the replica threads may wait, from its `options`
+    (TensorFlow calls them hints): `timeout_seconds` is honoured (None: the strategy's);
+    `bytes_per_pack` and `implementation` are accepted and have nothing to act on (the
+    threads combine their values in memory: no transfer to pack, no library to choose);
+    `compression`, which would round the values, is refused.
+
+    Raises:
+      TypeError: `options` is not a `CommunicationOptions`.
+      ValueError: a `compression`.
+    """
+    if options is None:
+        return None
+    if not isinstance(options, CommunicationOptions):
+        raise TypeError(f"options must be a ts.CommunicationOptions (or None), got "
+                        f"{options!r}.")
+    if options.compression is not None:
+        raise ValueError(
+            f"CentralStorageStrategy cannot honour compression={options.compression!r} in "
+            f"{what}: its replicas are threads of one process that combine their values in "
+            "memory, exactly; nothing is sent to compress. Leave compression=None.")
+    return options.timeout_seconds
 
 def _choose_devices(compute_devices: Any, parameter_device: Any) -> tuple[Any, Any]:
     compute = parse_devices(compute_devices) if compute_devices is not None \

@@ -73,9 +73,11 @@ class ReplicaGroup:
                               f"replica {failed} failed: {type(error).__name__}: {error}")
 
     def rendezvous(self, replica_id: int, what: str, value: Any = None,
-                   action: Callable[[list[Any]], Any] | None = None) -> Any:
+                   action: Callable[[list[Any]], Any] | None = None,
+                   timeout_seconds: float | None = None) -> Any:
         """Waits until every replica has arrived, then returns ``action(values)`` (values in
         replica order), computed once by the last replica to arrive; None without action.
+        `timeout_seconds` bounds this replica's wait (None: the group's timeout).
 
         Raises:
           ReplicaAborted: another replica failed.
@@ -99,14 +101,15 @@ class ReplicaGroup:
                 self._generation += 1
                 self._cond.notify_all()
             else:
-                deadline = time.monotonic() + self.timeout_seconds
+                limit = self.timeout_seconds if timeout_seconds is None else timeout_seconds
+                deadline = time.monotonic() + limit
                 while self._generation == generation and self._failure is None:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         missing = sorted(set(range(self.num_replicas)) - self._arrived)
                         timeout = CollectiveError(
                             f"torchstrategy: {what} on replica {replica_id} timed out after "
-                            f"{self.timeout_seconds:g} s: replica(s) {missing} did not reach "
+                            f"{limit:g} s: replica(s) {missing} did not reach "
                             "it (every replica must run the same steps: backward, "
                             "optimizer.step, all_reduce, merge_call, in the same order).")
                         if self._failure is None:
