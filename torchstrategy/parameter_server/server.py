@@ -21,14 +21,15 @@ import logging
 import os
 import threading
 import time
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed.rpc as rpc
 
 from torchstrategy import runtime
-from torchstrategy.cluster_resolver import (ClusterResolver, SimpleClusterResolver,
+from torchstrategy.cluster_resolver import (ClusterResolver, ClusterSpec, SimpleClusterResolver,
                                             TFConfigClusterResolver)
+from torchstrategy.cluster_resolver.cluster_spec import JobTasks
 from torchstrategy.parameter_server import rpc_world
 
 logger = logging.getLogger("torchstrategy")
@@ -62,24 +63,74 @@ def ping() -> int:
     return os.getpid()
 
 
+def _server_resolver(cluster: ClusterResolver | ClusterSpec | Mapping[str, JobTasks],
+                     job_name: str | None, task_index: int | None, protocol: str | None,
+                     config: Any) -> ClusterResolver:
+    """The resolver a `Server` serves: `cluster` as it is, or its spec with the task that
+    `job_name` / `task_index` name (TensorFlow's defaults: the only job, the only task)."""
+    if protocol not in (None, "grpc"):
+        raise ValueError(f"Server(protocol={protocol!r}): the tasks talk over torch rpc's "
+                         "one transport (TensorPipe), which stands for TensorFlow's default "
+                         "'grpc'; no other protocol can be chosen. Leave protocol None.")
+    if config is not None:
+        raise ValueError("Server(config=...): a TensorFlow ConfigProto has nothing to "
+                         "configure in torch rpc. Leave config None; bound calls with "
+                         "rpc_timeout= and startup_timeout= instead.")
+    if isinstance(cluster, ClusterResolver):
+        if job_name is None and task_index is None:
+            return cluster
+        spec = cluster.cluster_spec()
+        job_name = cluster.task_type if job_name is None else job_name
+        task_index = cluster.task_id if task_index is None else task_index
+    else:
+        spec = ClusterSpec(cluster)
+    if job_name is None:
+        if len(spec.jobs) != 1:
+            raise ValueError(f"Server: the cluster has the jobs {spec.jobs}; name this task's "
+                             "job with job_name= (as TensorFlow asks).")
+        job_name = spec.jobs[0]
+    if task_index is None:
+        indices = spec.task_indices(job_name)
+        if len(indices) != 1:
+            raise ValueError(f"Server: job {job_name!r} has the tasks {indices}; name this "
+                             "task with task_index= (as TensorFlow asks).")
+        task_index = indices[0]
+    rpc_layer = cluster.rpc_layer if isinstance(cluster, ClusterResolver) else None
+    return SimpleClusterResolver(spec, task_type=job_name, task_id=task_index,
+                                 rpc_layer=rpc_layer)
+
+
 class Server:
-    """One task (worker or ps) of a parameter-server cluster.
+    """One task (worker or ps) of a parameter-server cluster (tf.distribute.Server).
 
     Args:
-      cluster_resolver: a `ClusterResolver` whose ``task_type`` is "worker" or "ps" and whose
-        ``task_id`` says which one (``ts.TFConfigClusterResolver()`` reads TF_CONFIG).
+      server_or_cluster_def: a `ClusterResolver` whose ``task_type`` is "worker" or "ps"
+        and whose ``task_id`` says which one (``ts.TFConfigClusterResolver()`` reads
+        TF_CONFIG), or, as in TensorFlow, a `ClusterSpec` (or its dict) with `job_name`
+        and `task_index` naming this task.
+      job_name, task_index: this task's job and index; default the resolver's task, or
+        for a spec its only job and that job's only task (as TensorFlow).
+      protocol: None or "grpc" (TensorFlow's default; the tasks here use torch rpc's one
+        transport); another is refused.
+      config: must be None (a TensorFlow ConfigProto has nothing to configure here).
       start: join the cluster now (the default), or later with `start()`.
-      rpc_timeout: seconds before any rpc this server makes fails.
-      startup_timeout: seconds to wait for the chief's rendezvous.
+      rpc_timeout: seconds before any rpc this server makes fails (keyword only).
+      startup_timeout: seconds to wait for the chief's rendezvous (keyword only).
 
     Raises:
-      ValueError: the resolver names no task, a job other than worker/ps, or an address this
-        machine does not have.
+      ValueError: no task named (or several jobs or tasks to choose from), a job other than
+        worker/ps, an address this machine does not have, a protocol or config that cannot
+        be honoured.
     """
 
-    def __init__(self, cluster_resolver: ClusterResolver, start: bool = True,
+    def __init__(self, server_or_cluster_def: ClusterResolver | ClusterSpec |
+                 Mapping[str, JobTasks], job_name: str | None = None,
+                 task_index: int | None = None, protocol: str | None = None,
+                 config: Any = None, start: bool = True, *,
                  rpc_timeout: float = rpc_world.DEFAULT_RPC_TIMEOUT_SECONDS,
                  startup_timeout: float = rpc_world.DEFAULT_STARTUP_TIMEOUT_SECONDS) -> None:
+        cluster_resolver = _server_resolver(server_or_cluster_def, job_name, task_index,
+                                            protocol, config)
         self._resolver = cluster_resolver
         task_type, task_id = cluster_resolver.task_type, cluster_resolver.task_id
         if task_type not in ("worker", "ps") or task_type is None or task_id is None:
