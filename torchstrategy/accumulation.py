@@ -147,37 +147,49 @@ class _Group:
             self._batches.append(batch)
 
     def examples(self, device: torch.device | None) -> float:
-        """Examples in the whole group summed over every replica (one all-reduce, the first
-        time; inside ``strategy.run`` the replicas' all-reduce, outside it the strategy's
-        reduce)."""
+        """Examples in the whole group summed over every replica: one all-reduce, at the
+        first request (inside ``strategy.run`` every replica's all-reduce, outside it the
+        strategy's reduce); later requests reuse it."""
         with self._lock:
-            if self._examples is None:
-                self._read_up_to(self._size)
-                self._examples = self._count(device)
-            return self._examples
+            self._read_up_to(self._size)
+            if self._examples is not None:
+                return self._examples
+            totals = _local_totals(self._batches)
+        # Not under the lock: replica threads meet in the all-reduce. Once one of them has
+        # the total, every replica has entered it, so a replica that finds the total set
+        # owes no collective.
+        examples = self._reduce(totals, device)
+        with self._lock:
+            self._examples = examples
+        return examples
 
-    def _count(self, device: torch.device | None) -> float:
-        per_batch = [_local_examples(batch) for batch in self._batches]
-        totals: dict[int | None, int] = {}
-        for counts in per_batch:
-            for replica, count in counts:
-                totals[replica] = totals.get(replica, 0) + count
+    def _reduce(self, totals: dict[int | None, int], device: torch.device | None) -> float:
         replica_context = context.get_replica_context()
+        if self._strategy.extended.traces_global_batch:
+            return float(sum(totals.values()))   # one traced program sees every example
         if context.in_run() and replica_context is not None:
             mine = replica_context.replica_id_in_sync_group
             local = totals.get(mine, totals.get(None))
             if local is None:
                 raise RuntimeError(f"ts.accumulate: replica {mine} has no part of the "
                                    "micro-batches to count.")
-            if self._strategy.extended.traces_global_batch or \
-                    replica_context.num_replicas_in_sync == 1:
+            if replica_context.num_replicas_in_sync == 1:
                 return float(local)
-            mine_count = torch.tensor(float(local), device=device)
-            return float(replica_context.all_reduce(ReduceOp.SUM, mine_count).item())
+            count = torch.tensor(float(local), device=device)
+            return float(replica_context.all_reduce(ReduceOp.SUM, count).item())
         parts = iter(float(total) for total in totals.values())
         counts = self._strategy.experimental_distribute_values_from_function(
             lambda ctx: torch.tensor(next(parts), dtype=torch.float64))
         return float(self._strategy.reduce(ReduceOp.SUM, counts, axis=None).item())
+
+
+def _local_totals(batches: list[Any]) -> dict[int | None, int]:
+    """This process's examples in `batches`, per replica id (None: not per-replica)."""
+    totals: dict[int | None, int] = {}
+    for batch in batches:
+        for replica, count in _local_examples(batch):
+            totals[replica] = totals.get(replica, 0) + count
+    return totals
 
 
 def _local_examples(batch: Any) -> list[tuple[int | None, int]]:

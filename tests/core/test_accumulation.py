@@ -238,3 +238,34 @@ def test_compute_average_loss_needs_a_batch_dimension():
         micro.compute_average_loss(torch.ones(3))
     weighted = next(ts.accumulate(ts.get_strategy(), [torch.ones(3, 2)], 2))
     assert weighted.compute_average_loss(torch.full((3,), 2.0)).item() == 2.0
+
+
+def test_replica_threads_count_the_group_inside_run_once_each():
+    """CentralStorageStrategy's replicas are threads of this process: each counts its own
+    part of the group inside ``run`` and they meet in one all-reduce per group."""
+    strategy = ts.CentralStorageStrategy(compute_devices=["cpu:0", "cpu:1"])
+    with strategy.scope():
+        torch.manual_seed(SEED)
+        model = nn.Linear(3, 2)
+    batches = [(torch.randn(n, 3), torch.randint(0, 2, (n,))) for n in (6, 4, 3)]
+    dataset = strategy.experimental_distribute_dataset(batches)
+
+    def micro_step(batch, micro):
+        x, y = batch
+        micro.compute_average_loss(F.cross_entropy(model(x), y, reduction="none")).backward()
+        return torch.tensor(micro.group_examples)
+
+    counts = []
+    for micro in ts.accumulate(strategy, dataset, steps=2):
+        with micro:
+            counted = strategy.run(micro_step, args=(micro.batch, micro))
+        counts.append([c.item() for c in strategy.experimental_local_results(counted)])
+    assert counts == [[10.0, 10.0], [10.0, 10.0], [3.0, 3.0]]
+    torch.manual_seed(SEED)
+    reference = nn.Linear(3, 2)
+    for group in (batches[:2], batches[2:]):
+        x = torch.cat([b[0] for b in group])
+        y = torch.cat([b[1] for b in group])
+        F.cross_entropy(reference(x), y).backward()
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-6, rtol=0)
