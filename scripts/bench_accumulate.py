@@ -15,7 +15,10 @@ micro-batch, entering and leaving ``no_sync`` through it, and any collective it 
 two configurations alternate in short chunks (the order swapping every chunk) inside the
 same 2 processes; a chunk's time is the slower replica's, and the figure reported is the
 median of the paired ratios (each accumulate chunk over the no-sync chunk next to it), with
-the quartiles of those ratios as the spread. Target: <= 1.01.
+the quartiles of those ratios as the spread, beside the ratio of the CPU times (the
+process's, gloo's threads included), which other jobs on the same cores barely move.
+Target: <= 1.01. Last, the loop machinery alone is timed (both loops with an empty body:
+micro-seconds per iteration), which sets what ts.accumulate can cost whatever the model.
 
     .venv/bin/python scripts/bench_accumulate.py            # default: about a minute
     .venv/bin/python scripts/bench_accumulate.py --quick    # smoke test: a few seconds
@@ -71,7 +74,8 @@ class GPT(nn.Module):
 
 
 def build_iterations(args):
-    """Returns {configuration: function running one iteration (k micro-batches, a step)}."""
+    """Returns the strategy and {configuration: function running one iteration (k
+    micro-batches, a step)}."""
     strategy = ts.MirroredStrategy()          # the process group ts.launch prepared
     gen = torch.Generator().manual_seed(1 + strategy.extended.replica_id)
     data = torch.randint(0, args.vocab, (args.accumulate, args.batch, args.block + 1),
@@ -106,29 +110,61 @@ def build_iterations(args):
             optimizer.zero_grad(set_to_none=True)
         return iteration
 
-    return {"accumulate": with_accumulate(*make()), "no-sync": hand_written(*make())}
+    return strategy, {"accumulate": with_accumulate(*make()),
+                      "no-sync": hand_written(*make())}
+
+
+def machinery_seconds(strategy, k, repeats):
+    """Seconds per iteration of each loop with an empty body (no model: only the loop, the
+    MicroBatch objects and entering no_sync), the median of 5 runs of `repeats`."""
+    def accumulate_loop():
+        for micro in ts.accumulate(strategy, range(k), k):
+            with micro:
+                pass
+
+    def hand_written_loop():
+        for m in range(k):
+            with contextlib.nullcontext() if m == k - 1 else strategy.extended.no_sync():
+                pass
+
+    result = {}
+    for config, loop in (("accumulate", accumulate_loop), ("no-sync", hand_written_loop)):
+        runs = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(repeats):
+                loop()
+            runs.append((time.perf_counter() - start) / repeats)
+        result[config] = statistics.median(runs)
+    return result
 
 
 def replica_main(args, chunks):
-    """One replica; returns {configuration: [seconds per iteration of each chunk]}, the
-    slower replica's."""
+    """One replica; returns {configuration: {"wall"|"cpu": [seconds per iteration of each
+    chunk]}} (the slower replica's) and the loop machinery's seconds per iteration."""
     torch.set_num_threads(1)   # two replicas on a shared machine: one core each
-    iterations = build_iterations(args)
+    strategy, iterations = build_iterations(args)
     for iteration in iterations.values():
         for _ in range(args.warmup):
             iteration()
     wall = {c: [] for c in CONFIGS}
+    cpu = {c: [] for c in CONFIGS}
     for i in range(chunks):
         for config in (CONFIGS if i % 2 == 0 else CONFIGS[::-1]):
             iteration = iterations[config]
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             for _ in range(args.chunk):
                 iteration()
             wall[config].append((time.perf_counter() - start) / args.chunk)
-    table = torch.tensor([wall[c] for c in CONFIGS], dtype=torch.float64)
+            cpu[config].append((time.process_time() - start_cpu) / args.chunk)
+    table = torch.tensor([wall[c] for c in CONFIGS] + [cpu[c] for c in CONFIGS],
+                         dtype=torch.float64)
     dist.all_reduce(table, op=dist.ReduceOp.MAX)
-    return {c: table[k].tolist() for k, c in enumerate(CONFIGS)}
+    n = len(CONFIGS)
+    times = {c: {"wall": table[k].tolist(), "cpu": table[n + k].tolist()}
+             for k, c in enumerate(CONFIGS)}
+    return times, machinery_seconds(strategy, args.accumulate, 200 if args.quick else 2000)
 
 
 def main():
@@ -157,21 +193,29 @@ def main():
           f"{args.batch} per step, AdamW")
     print(f"{chunks} chunks x {args.chunk} iterations per configuration, interleaved",
           flush=True)
-    times = ts.launch(replica_main, args, chunks, num_replicas=NUM_REPLICAS)
+    times, machinery = ts.launch(replica_main, args, chunks, num_replicas=NUM_REPLICAS)
+    wall = {c: times[c]["wall"] for c in CONFIGS}
 
     print()
-    print(f"{'configuration':<14}{'median ms/iteration':>21}{'p25':>9}{'p75':>9}")
+    print(f"{'configuration':<14}{'median ms/iteration':>21}{'p25':>9}{'p75':>9}"
+          f"{'CPU ms/iteration':>18}")
     for c in CONFIGS:
-        q = statistics.quantiles(times[c], n=4) if len(times[c]) > 1 else [times[c][0]] * 3
-        print(f"{c:<14}{statistics.median(times[c]) * 1e3:>21.2f}{q[0] * 1e3:>9.2f}"
-              f"{q[2] * 1e3:>9.2f}")
-    ratios = [a / b for a, b in zip(times["accumulate"], times["no-sync"])]
+        q = statistics.quantiles(wall[c], n=4) if len(wall[c]) > 1 else [wall[c][0]] * 3
+        print(f"{c:<14}{statistics.median(wall[c]) * 1e3:>21.2f}{q[0] * 1e3:>9.2f}"
+              f"{q[2] * 1e3:>9.2f}{statistics.median(times[c]['cpu']) * 1e3:>18.2f}")
+    ratios = [a / b for a, b in zip(wall["accumulate"], wall["no-sync"])]
     q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    cpu_ratio = statistics.median(times["accumulate"]["cpu"]) / \
+        statistics.median(times["no-sync"]["cpu"])
     print()
     print(f"accumulate / no-sync, median of {len(ratios)} paired ratios: "
-          f"{statistics.median(ratios):.3f} (p25 {q[0]:.3f}, p75 {q[2]:.3f}; "
-          "target <= 1.01)")
-
+          f"{statistics.median(ratios):.3f} (p25 {q[0]:.3f}, p75 {q[2]:.3f}); CPU time "
+          f"{cpu_ratio:.3f}; target <= 1.01")
+    extra = machinery["accumulate"] - machinery["no-sync"]
+    print(f"loop machinery alone: accumulate {machinery['accumulate'] * 1e6:.1f} us, "
+          f"no-sync {machinery['no-sync'] * 1e6:.1f} us per iteration of "
+          f"{args.accumulate}; the difference, {extra * 1e6:.1f} us, is "
+          f"{extra / statistics.median(wall['no-sync']):.2%} of a no-sync iteration here")
 
 if __name__ == "__main__":
     main()

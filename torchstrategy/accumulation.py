@@ -27,7 +27,6 @@ the coming iterations) and sums their examples over the replicas in one all-redu
 """
 from __future__ import annotations
 
-import contextlib
 import numbers
 import threading
 from types import TracebackType
@@ -118,6 +117,7 @@ def _micro_batches(strategy: AnyStrategy, iterator: Iterator[Any], steps: int,
 
 
 _END = object()
+_OUTSIDE = object()   # a MicroBatch's context when `with micro:` is not entered
 
 
 class _Group:
@@ -243,7 +243,8 @@ class MicroBatch:
         self.is_last = index == group_size - 1
         self._group = group
         self._strategy = strategy
-        self._stack: contextlib.ExitStack | None = None
+        # The no_sync context while inside `with micro:` (None for the last micro-batch).
+        self._deferring: Any = _OUTSIDE
 
     @property
     def group_examples(self) -> float:
@@ -253,17 +254,22 @@ class MicroBatch:
         return self._group.examples(None)
 
     def __enter__(self) -> MicroBatch:
-        self._stack = contextlib.ExitStack()
-        if not self.is_last:
-            self._stack.enter_context(self._strategy.extended.no_sync())
+        if self._deferring is not _OUTSIDE:
+            raise RuntimeError("`with micro:` entered twice; enter each micro-batch once.")
+        deferring = None if self.is_last else self._strategy.extended.no_sync()
+        if deferring is not None:
+            deferring.__enter__()
+        self._deferring = deferring
         return self
 
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
                  traceback: TracebackType | None) -> bool | None:
-        stack, self._stack = self._stack, None
-        if stack is None:
+        deferring, self._deferring = self._deferring, _OUTSIDE
+        if deferring is _OUTSIDE:
             raise RuntimeError("MicroBatch.__exit__ called without __enter__ (use `with micro:`).")
-        return stack.__exit__(kind, value, traceback)
+        if deferring is None:
+            return None
+        return deferring.__exit__(kind, value, traceback)
 
     def compute_average_loss(self, per_example_loss: torch.Tensor,
                              sample_weight: torch.Tensor | float | None = None
