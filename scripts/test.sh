@@ -4,9 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# The xla environment (~7 GB of wheels) is installed in the background while the main
-# environment is set up and the main suite runs; its output goes to a log, printed if it
-# fails. SKIP_XLA=1 skips it and its suite.
+SKIP_XLA=1 bash scripts/setup.sh
+
+# The xla environment (~7 GB of wheels, mostly download and disk) is installed in the
+# background while the main suite keeps the CPUs busy; its output goes to a log, printed if
+# it fails. It starts after the main set-up, which it would otherwise slow down (the same
+# network, and the extension's compilation). SKIP_XLA=1 skips it and its suite.
 xla_setup=""
 xla_log=build/xla-setup.log
 stop_xla_setup() {
@@ -22,7 +25,6 @@ if [ "${SKIP_XLA:-0}" != 1 ]; then
   trap 'exit 130' INT TERM   # Ctrl-C or a CI's cancel: the EXIT trap stops the set-up too
 fi
 
-SKIP_XLA=1 bash scripts/setup.sh
 export PYTHONUNBUFFERED=1
 # Types first: a wrong annotation fails the run before the slow suite starts.
 .venv/bin/python -m mypy torchstrategy
