@@ -215,7 +215,7 @@ def main():
     print(f"loop machinery alone: accumulate {machinery['accumulate'] * 1e6:.1f} us, "
           f"no-sync {machinery['no-sync'] * 1e6:.1f} us per iteration of "
           f"{args.accumulate}; the difference, {extra * 1e6:.1f} us, is "
-          f"{extra / statistics.median(wall['no-sync']):.2%} of a no-sync iteration here")
+          f"{extra / statistics.median(wall['no-sync']):.3%} of a no-sync iteration here")
 
 if __name__ == "__main__":
     main()

@@ -11,6 +11,10 @@ bit-identical (two replicas: the 1/2 of the averaging is exact in floating point
 the loss or the summed gradient is scaled).
 """
 import contextlib
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchstrategy as ts
+from tests.helpers import ROOT
 from tests.helpers.replicas import detached_state, from_every_replica, launch
 
 N = 2
@@ -269,3 +274,19 @@ def test_replica_threads_count_the_group_inside_run_once_each():
         F.cross_entropy(reference(x), y).backward()
     for got, want in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(got.grad, want.grad, atol=1e-6, rtol=0)
+
+
+def test_bench_accumulate_quick_runs():
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID", "TORCHSTRATEGY_LAUNCHER", "TORCHSTRATEGY_PARENT_PID")}
+    env["TORCHSTRATEGY_TIMEOUT_SECONDS"] = "60"
+    result = subprocess.run([sys.executable, os.path.join("scripts", "bench_accumulate.py"),
+                             "--quick"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for config in ("accumulate", "no-sync"):
+        assert re.search(rf"^{config}\s+[0-9.]+", result.stdout, flags=re.MULTILINE)
+    assert re.search(r"median of 4 paired ratios: [0-9.]+ \(p25 [0-9.]+, p75 [0-9.]+\); "
+                     r"CPU time [0-9.]+", result.stdout), result.stdout
+    assert re.search(r"loop machinery alone: accumulate [0-9.]+ us", result.stdout)
