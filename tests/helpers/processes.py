@@ -31,24 +31,30 @@ def alive(pid):
         return False
 
 
-def sleep_then_mark(outdir, seconds):
+def sleep_then_mark(outdir: "str | os.PathLike[str]", seconds: float) -> None:
     """In a replica that should be ended by its launcher: records this process's id in
     `outdir`/sleeper.pid, sleeps `seconds`, and writes `outdir`/woke if it ever gets there.
     `assert_ended_not_awaited` then tells "ended by the launcher" from "waited for", by the
     order of events rather than by a clock."""
-    with open(os.path.join(outdir, "sleeper.pid"), "w") as f:
+    pid_file = os.path.join(outdir, "sleeper.pid")
+    with open(pid_file + ".tmp", "w") as f:
         f.write(str(os.getpid()))
+    os.replace(pid_file + ".tmp", pid_file)   # the reader never sees a half-written id
     time.sleep(seconds)
     with open(os.path.join(outdir, "woke"), "w"):
         pass
 
 
-def assert_ended_not_awaited(outdir, bound_seconds=60):
+def assert_ended_not_awaited(outdir: "str | os.PathLike[str]",
+                             bound_seconds: float = 60) -> None:
     """The process of `sleep_then_mark` was ended before its sleep was over: it never woke,
     and it is gone (polled up to `bound_seconds`, a hang guard: reaping is asynchronous)."""
     assert not os.path.exists(os.path.join(outdir, "woke")), \
         "the launcher waited for the sleeping replica instead of ending it"
-    with open(os.path.join(outdir, "sleeper.pid")) as f:
+    pid_file = os.path.join(outdir, "sleeper.pid")
+    if not os.path.exists(pid_file):
+        return  # ended before it began to sleep: nothing was awaited
+    with open(pid_file) as f:
         pid = int(f.read())
     deadline = time.monotonic() + bound_seconds
     while alive(pid) and time.monotonic() < deadline:
