@@ -6,8 +6,11 @@ with a different seed on each replica, adopted (``strategy.adopt``), then croppe
 (``crop_block_size`` registers a new Parameter after adoption), the optimizer is made, and
 the loop runs outside ``strategy.run`` as nanoGPT's does, with ``ts.accumulate`` in place of
 ``require_backward_grad_sync`` and ``micro.scale_mean_loss`` in place of
-``loss / gradient_accumulation_steps``. One launch runs the eager and the compiled port and
-the DDP reference.
+``loss / gradient_accumulation_steps``. As in nanoGPT, the model has dropout and
+``get_batch`` draws from the global random generator, and the DDP loop prefetches its next
+batch after the forward: ``ts.accumulate`` reads each batch when the loop asks for it, so
+the random draws come in the same order and the weights agree. One launch runs the eager
+and the compiled port and the DDP reference.
 """
 import pytest
 import torch
@@ -21,6 +24,7 @@ N = 2
 VOCAB, BLOCK, CROPPED, LAYERS, HEADS, EMBD = 32, 16, 8, 2, 2, 16
 MICRO_B, ACCUMULATION, ITERS = 2, 3, 3
 SEED = 1337
+DROPOUT = 0.1
 
 
 class Block(nn.Module):
@@ -30,14 +34,16 @@ class Block(nn.Module):
         self.attn = nn.Linear(EMBD, 3 * EMBD)
         self.proj = nn.Linear(EMBD, EMBD)
         self.ln_2 = nn.LayerNorm(EMBD)
-        self.mlp = nn.Sequential(nn.Linear(EMBD, 4 * EMBD), nn.GELU(), nn.Linear(4 * EMBD, EMBD))
+        self.mlp = nn.Sequential(nn.Linear(EMBD, 4 * EMBD), nn.GELU(),
+                                 nn.Linear(4 * EMBD, EMBD), nn.Dropout(DROPOUT))
+        self.resid_dropout = nn.Dropout(DROPOUT)
 
     def forward(self, x):
         b, t, c = x.shape
         q, k, v = self.attn(self.ln_1(x)).split(EMBD, dim=2)
         q, k, v = (z.view(b, t, HEADS, c // HEADS).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        x = x + self.resid_dropout(self.proj(y.transpose(1, 2).contiguous().view(b, t, c)))
         return x + self.mlp(self.ln_2(x))
 
 
@@ -65,10 +71,10 @@ class GPT(nn.Module):
         return logits, F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1))
 
 
-def get_batch(rank, it, micro):
-    """This replica's micro-batch (each DDP rank reads its own data in nanoGPT)."""
-    g = torch.Generator().manual_seed(1000 * it + 10 * micro + rank)
-    data = torch.randint(0, VOCAB, (MICRO_B, CROPPED + 1), generator=g)
+def get_batch():
+    """This replica's micro-batch, drawn from the global generator as nanoGPT's
+    ``get_batch`` draws its offsets (each rank seeds it with ``1337 + seed_offset``)."""
+    data = torch.randint(0, VOCAB, (MICRO_B, CROPPED + 1))
     return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
 
@@ -79,8 +85,9 @@ def train_port(strategy, rank, compiled):
     model.crop_block_size(CROPPED)            # after adoption: recorded and broadcast too
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     run = torch.compile(model) if compiled else model
+    torch.manual_seed(SEED + 1 + rank)        # nanoGPT's 1337 + seed_offset: data, dropout
     for it in range(ITERS):
-        micro_batches = (get_batch(rank, it, m) for m in range(ACCUMULATION))
+        micro_batches = (get_batch() for _ in range(ACCUMULATION))
         for micro in ts.accumulate(strategy, micro_batches, steps=ACCUMULATION):
             with micro:
                 _, loss = run(*micro.batch)
@@ -92,17 +99,22 @@ def train_port(strategy, rank, compiled):
 
 
 def train_ddp(rank, compiled):
-    """nanoGPT's own loop: compile, then wrap in DDP; ``require_backward_grad_sync``."""
+    """nanoGPT's own loop: compile, then wrap in DDP; ``require_backward_grad_sync``; the
+    next batch prefetched after the forward."""
     torch.manual_seed(SEED)
     model = GPT()
     model.crop_block_size(CROPPED)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     ddp = nn.parallel.DistributedDataParallel(torch.compile(model) if compiled else model)
+    torch.manual_seed(SEED + 1 + rank)
+    X, Y = get_batch()
     for it in range(ITERS):
         for m in range(ACCUMULATION):
             ddp.require_backward_grad_sync = m == ACCUMULATION - 1
-            _, loss = ddp(*get_batch(rank, it, m))
-            (loss / ACCUMULATION).backward()
+            _, loss = ddp(X, Y)
+            loss = loss / ACCUMULATION
+            X, Y = get_batch()
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
