@@ -138,7 +138,9 @@ def runs():
     return launch(_replica, n=N)
 
 
-@pytest.mark.parametrize("compiled,atol", [(False, 1e-6), (True, 1e-5)],
+# Bit-identical: the same draws in the same order, and with two replicas the 1/2 of DDP's
+# averaging is exact whether it scales the loss or the summed gradient.
+@pytest.mark.parametrize("compiled,atol", [(False, 0.0), (True, 0.0)],
                          ids=["eager", "compiled"])
 def test_nanogpt_port_equals_ddp(runs, compiled, atol):
     for rank, r in enumerate(runs):
