@@ -7,9 +7,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-import torch
-
 import torchstrategy as ts
 from tests.helpers import SCRIPTS
 from tests.helpers.processes import plain_environment
@@ -65,7 +62,6 @@ def test_ts_launch_gives_every_replica_torchrun_variables():
     _assert_torchrun_meaning(ts.launch(every_report, num_replicas=2))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the default is every GPU there")
 def test_one_replica_alone_has_the_variables_and_a_process_group_of_one(tmp_path):
     (report,) = _run([sys.executable, SCRIPT, "alone", str(tmp_path)], tmp_path, 1)
     _assert_torchrun_meaning([report])
@@ -80,9 +76,17 @@ def _world(launcher, rank=1):
                            node_rank=rank // 2, num_nodes=2)
 
 
+def _clear_launcher_variables(monkeypatch):
+    """Removes every variable `publish_environment` reads or writes, for this test only
+    (setenv first: monkeypatch restores only variables it saw, absent ones included)."""
+    for name in world_lib.TORCHRUN_VARIABLES + (world_lib.LAUNCHER_ENV,
+                                                  world_lib.PUBLISHED_ENV):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+
+
 def test_a_launchers_values_are_never_replaced(monkeypatch):
-    for name in world_lib.TORCHRUN_VARIABLES + (world_lib.PUBLISHED_ENV,):
-        monkeypatch.delenv(name, raising=False)
+    _clear_launcher_variables(monkeypatch)
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("MASTER_PORT", "1234")
     world_lib.publish_environment(_world("torchrun"))
@@ -93,9 +97,7 @@ def test_a_launchers_values_are_never_replaced(monkeypatch):
 
 
 def test_variables_published_by_a_parent_are_not_a_launchers(monkeypatch):
-    for name in world_lib.TORCHRUN_VARIABLES + (world_lib.LAUNCHER_ENV,
-                                                  world_lib.PUBLISHED_ENV):
-        monkeypatch.delenv(name, raising=False)
+    _clear_launcher_variables(monkeypatch)
     monkeypatch.setattr(os, "getpid", lambda: 1)      # the parent publishes its world
     world_lib.publish_environment(_world("reexec", rank=2))
     assert os.environ["RANK"] == "2" and os.environ["GROUP_RANK"] == "1"
@@ -105,3 +107,4 @@ def test_variables_published_by_a_parent_are_not_a_launchers(monkeypatch):
     monkeypatch.setenv("RANK", "0")                   # a launcher rewrote the variables
     assert not world_lib.inherited_from_parent()
     assert world_lib.from_environment().rank == 0
+

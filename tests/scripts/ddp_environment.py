@@ -1,8 +1,8 @@
 """`python ddp_environment.py MODE OUTDIR`: a DDP-style program's view of its world.
 
 MODE: reexec (a plain ``python`` run asking for two CPU replicas) | torchrun (one replica
-per process torchrun started) | alone (the default strategy of a CPU-only machine: one
-replica). Each replica writes OUTDIR/replica<N>.json with what `report` returns; ``ts.launch``
+per process torchrun started) | alone (one CPU replica, as the default strategy of a
+machine without GPUs has). Each replica writes OUTDIR/replica<N>.json with what `report` returns; ``ts.launch``
 calls `report` itself.
 """
 import json
@@ -59,7 +59,8 @@ def _child_sees_a_launcher():
 
 if __name__ == "__main__":
     mode, outdir = sys.argv[1], sys.argv[2]
-    result = report(["cpu:0", "cpu:1"] if mode == "reexec" else None)
+    devices = {"reexec": ["cpu:0", "cpu:1"], "alone": ["cpu:0"], "torchrun": None}[mode]
+    result = report(devices)
     if mode == "alone":
         result["child_sees_a_launcher"] = _child_sees_a_launcher()
     with open(os.path.join(outdir, f"replica{result['replica_id']}.json"), "w") as f:
