@@ -124,7 +124,11 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     @property
     def task_id(self) -> int | None:
-        """This machine's index in its job; None without a cluster description."""
+        """This task's index in its job, as the cluster resolver gives it: under torchrun
+        and srun a task is one process (its global rank, as in TensorFlow, where a task is a
+        process); under TF_CONFIG or Kubeflow a task is one machine, shared by that
+        machine's replicas. None without a cluster description. For one-off work use
+        `is_chief` / ``extended.should_checkpoint``, which name exactly one process."""
         return self._resolver.task_id
 
     @property
