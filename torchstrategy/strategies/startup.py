@@ -91,8 +91,8 @@ def start_replica_process(
         without GPUs warns (before anything is re-executed) and uses gloo.
       group_for_one_replica: whether one replica gets a process group too (default True:
         a gloo or NCCL group of size 1 over the world's own store; DDP-style code and FSDP2
-        need one); False leaves torch.distributed uninitialised for one replica. An
-        existing group is adopted either way.
+        need one; a group that already exists is adopted); False leaves torch.distributed
+        as it is for one replica.
       check_world: called with the world once it is known and before any process group
         is created: a strategy's checks of the replica count raise there.
 
