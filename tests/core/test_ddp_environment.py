@@ -11,6 +11,7 @@ import torchstrategy as ts
 from tests.helpers import SCRIPTS
 from tests.helpers.processes import plain_environment
 from tests.scripts.ddp_environment import every_report
+from torchstrategy.cluster_resolver import detect
 from torchstrategy.launch import world as world_lib
 
 SCRIPT = os.path.join(SCRIPTS, "ddp_environment.py")
@@ -108,3 +109,18 @@ def test_variables_published_by_a_parent_are_not_a_launchers(monkeypatch):
     assert not world_lib.inherited_from_parent()
     assert world_lib.from_environment().rank == 0
 
+
+
+def test_published_variables_are_no_cluster_managers(monkeypatch):
+    _clear_launcher_variables(monkeypatch)
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.9")   # any pod of a cluster
+    world_lib.publish_environment(world_lib.World(master_port=29400))   # one replica alone
+    assert os.environ["RANK"] == "0" and os.environ["WORLD_SIZE"] == "1"
+    assert detect.detect() is None                # not torchrun's, nor a Kubeflow job's
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["a:1", "b:1"]}, '
+                                    '"task": {"type": "worker", "index": 1}}')
+    assert detect.detect() == "tf_config"         # and no conflict with TF_CONFIG
+    monkeypatch.delenv("TF_CONFIG")
+    monkeypatch.setenv("WORLD_SIZE", "2")         # a launcher's own values count again
+    assert detect.detect() == "torchrun"

@@ -88,7 +88,8 @@ def detect(environ: Mapping[str, str] | None = None) -> str | None:
         machines, naming the variables of both.
       ValueError: a malformed variable of the environment found (named by its resolver).
     """
-    env = os.environ if environ is None else environ
+    # Variables torchstrategy published for its own world describe no cluster manager.
+    env = world_lib.without_published(os.environ if environ is None else environ)
     found = _present(env)
     if not found:
         return None

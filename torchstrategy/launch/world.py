@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 LAUNCHER_ENV = "TORCHSTRATEGY_LAUNCHER"
 TIMEOUT_ENV = "TORCHSTRATEGY_TIMEOUT_SECONDS"
@@ -98,8 +98,9 @@ def torchrun_environment(world: World) -> dict[str, str]:
     return env
 
 
-def _published_values() -> str:
-    return " ".join(f"{name}={os.environ.get(name, '')}"
+def _published_values(environ: Mapping[str, str] | None = None) -> str:
+    env = os.environ if environ is None else environ
+    return " ".join(f"{name}={env.get(name, '')}"
                     for name in (LAUNCHER_ENV,) + TORCHRUN_VARIABLES)
 
 
@@ -119,12 +120,30 @@ def publish_environment(world: World) -> None:
         os.environ[PUBLISHED_ENV] = f"{os.getpid()} {_published_values()}"
 
 
+def published_by_torchstrategy(environ: Mapping[str, str]) -> bool:
+    """True when torchrun's variables in `environ` are exactly those `publish_environment`
+    wrote (in this process or a parent): they describe a world torchstrategy established,
+    not a cluster manager's."""
+    _, _, values = environ.get(PUBLISHED_ENV, "").partition(" ")
+    return bool(values) and values == _published_values(environ)
+
+
+def without_published(environ: Mapping[str, str]) -> Mapping[str, str]:
+    """`environ` without torchrun's variables where torchstrategy published them (for
+    cluster detection: they would read as a torchrun or Kubeflow job of one machine);
+    `environ` itself otherwise."""
+    if not published_by_torchstrategy(environ):
+        return environ
+    return {k: v for k, v in environ.items() if k not in TORCHRUN_VARIABLES}
+
+
 def inherited_from_parent() -> bool:
     """True when torchrun's variables here are exactly those a torchstrategy process
     published for its own world, and this is another process (its child, a fork): they
     describe the parent's world, not a launcher's for this process."""
-    pid, _, values = os.environ.get(PUBLISHED_ENV, "").partition(" ")
-    return pid.isdigit() and int(pid) != os.getpid() and values == _published_values()
+    pid = os.environ.get(PUBLISHED_ENV, "").partition(" ")[0]
+    return published_by_torchstrategy(os.environ) and pid.isdigit() and \
+        int(pid) != os.getpid()
 
 
 def under_torchrun() -> bool:
