@@ -1,0 +1,1 @@
+"""Original DDP/FSDP2 programs, small, that docs/porting_from_ddp.md's diffs port (fixtures)."""

@@ -1,0 +1,146 @@
+"""Applying docs/porting_from_ddp.md's diffs to the fixture programs, and running programs
+under torchrun, for tests/porting/test_guide_diffs.py and test_real_programs.py.
+
+The guide's diffs are ordinary unified diffs (``--- a/NAME``, ``+++ b/NAME``, ``@@`` hunks)
+against the files of this directory. They are applied strictly: every hunk must start at
+its stated line, its context and removed lines must match the file exactly, and its line
+counts must match its header, so a guide that drifts from the programs fails its test.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+PROGRAMS = Path(__file__).resolve().parent
+REPOSITORY = PROGRAMS.parents[2]
+GUIDE = REPOSITORY / "docs" / "porting_from_ddp.md"
+RUN_TIMEOUT_SECONDS = 300
+# The variables torchrun sets: a test process must not hand its own to the launched world.
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                      "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                      "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+
+_HUNK_HEADER = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+_DIFF_BLOCK = re.compile(r"^```diff\n(.*?)^```", re.MULTILINE | re.DOTALL)
+
+
+@dataclass
+class Hunk:
+    old_start: int
+    old_count: int
+    new_count: int
+    lines: list[str]          # each with its leading ' ', '-' or '+'
+
+
+@dataclass
+class FileDiff:
+    name: str
+    hunks: list[Hunk]
+
+
+def guide_diffs(text: str | None = None) -> list[FileDiff]:
+    """Every ```diff block of the guide (or of `text`), parsed. A block that is not a
+    unified diff of one file (no ``--- a/`` header, a malformed hunk) is an error."""
+    text = GUIDE.read_text() if text is None else text
+    return [parse_diff(block) for block in _DIFF_BLOCK.findall(text)]
+
+
+def parse_diff(block: str) -> FileDiff:
+    """One file's unified diff, with hunk line counts checked against their headers."""
+    lines = block.splitlines()
+    if len(lines) < 3 or not lines[0].startswith("--- a/") or not lines[1].startswith("+++ b/"):
+        raise ValueError(f"a diff block must start with '--- a/NAME' and '+++ b/NAME': {lines[:2]}")
+    name = lines[0].removeprefix("--- a/")
+    if lines[1].removeprefix("+++ b/") != name:
+        raise ValueError(f"a diff block must change one file: {lines[:2]}")
+    hunks: list[Hunk] = []
+    for line in lines[2:]:
+        header = _HUNK_HEADER.match(line)
+        if header:
+            old_start, old_count, _, new_count = header.groups()
+            hunks.append(Hunk(int(old_start), int(old_count or 1), int(new_count or 1), []))
+        elif hunks and line[:1] in (" ", "-", "+"):
+            hunks[-1].lines.append(line)
+        elif hunks and line == "":      # an empty context line whose space was trimmed
+            hunks[-1].lines.append(" ")
+        else:
+            raise ValueError(f"{name}: not a line of a unified diff: {line!r}")
+    for hunk in hunks:
+        old = sum(1 for line in hunk.lines if line[0] in " -")
+        new = sum(1 for line in hunk.lines if line[0] in " +")
+        if (old, new) != (hunk.old_count, hunk.new_count):
+            raise ValueError(f"{name}: hunk at line {hunk.old_start} has {old} old and {new} new "
+                             f"lines, its header says {hunk.old_count} and {hunk.new_count}")
+    return FileDiff(name, hunks)
+
+
+def apply_diff(original: str, diff: FileDiff) -> str:
+    """`original` with `diff` applied; a ValueError naming the first line that differs
+    from the diff's context or removed lines, or a hunk out of order."""
+    source = original.splitlines()
+    result: list[str] = []
+    position = 0                         # lines of `source` consumed so far
+    for hunk in diff.hunks:
+        start = hunk.old_start - 1 if hunk.old_count else hunk.old_start
+        if start < position:
+            raise ValueError(f"{diff.name}: hunk at line {hunk.old_start} overlaps the previous one")
+        result.extend(source[position:start])
+        position = start
+        for line in hunk.lines:
+            mark, text = line[0], line[1:]
+            if mark == "+":
+                result.append(text)
+                continue
+            if position >= len(source) or source[position] != text:
+                found = source[position] if position < len(source) else "<end of file>"
+                raise ValueError(f"{diff.name}:{position + 1}: the diff expects {text!r}, "
+                                 f"the program has {found!r}")
+            if mark == " ":
+                result.append(text)
+            position += 1
+    result.extend(source[position:])
+    return "\n".join(result) + "\n"
+
+
+def ported_program(name: str, directory: Path) -> Path:
+    """The fixture `name` with the guide's diff for it applied, written into `directory`."""
+    (diff,) = [d for d in guide_diffs() if d.name == name]
+    path = directory / name
+    path.write_text(apply_diff((PROGRAMS / name).read_text(), diff))
+    return path
+
+
+def torchrun(program: Path, *args: str, cwd: Path, nproc: int = 2) -> str:
+    """Runs `program` as torchrun does (``--standalone``: a free port, so tests may run in
+    parallel) with `nproc` processes on this machine, in `cwd`; returns its output, stdout
+    then stderr. A failure is an AssertionError carrying the output's tail."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPOSITORY), env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = "1"     # the replicas share the machine's cores
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", str(program), *args]
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_SECONDS)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, f"{program.name} {' '.join(args)} failed:\n{output[-6000:]}"
+    return done.stdout
+
+
+def without_prefix(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """`state` with `prefix` removed from its keys (``module.``, ``_orig_mod.``)."""
+    return {key.removeprefix(prefix): value for key, value in state.items()}
+
+
+def assert_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                     what: str) -> None:
+    """Same keys in the same order, and every tensor equal bit for bit."""
+    assert list(got) == list(want), what
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=0, rtol=0,
+                                   msg=lambda m: f"{what} {key}: {m}")
