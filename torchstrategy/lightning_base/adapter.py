@@ -18,9 +18,15 @@ What the adapter does at each point of Lightning's life cycle:
   the gradient reducer; ShardedStrategy shards its children), then each optimizer
   (``extended.prepare_trainer_optimizer``). Nothing is wrapped.
 - steps: ``training_step`` and the other steps run in the strategy's replica context
-  (``ts.get_replica_context()`` works inside them); after each training step
-  ``synchronize_buffers()`` makes floating buffers the replica mean, as everywhere in
-  torchstrategy.
+  (``ts.get_replica_context()`` works inside them).
+- buffers (``buffers="broadcast"``, the default): replica 0's floating buffers are
+  broadcast (``extended.broadcast_buffers()``) where Lightning's ``"ddp"`` broadcasts
+  them: at ``setup``, and while fitting before a step whose previous step ran with
+  gradients enabled, gradients synchronised and automatic optimisation (the rule of
+  DistributedDataParallel's ``require_forward_param_sync``, as Lightning's
+  ``_DDPForwardRedirection`` drives it). With ``buffers="mean"``
+  ``synchronize_buffers()`` makes them the replica mean after each training step, as
+  ``strategy.run`` does.
 - ``backward``: the loss is scaled by 1/N, so the reducer's cross-replica *sum* is the
   *mean* gradient Lightning's DDP produces.
 - collectives (``self.log(sync_dist=True)``, ``barrier``, ``broadcast``, ``all_gather``)
@@ -28,7 +34,7 @@ What the adapter does at each point of Lightning's life cycle:
 
 Only documented methods of the strategy are used (``extended.communicator``,
 ``torch_device``, ``replica_id``, ``one_replica_per_process``, ``prepare_trainer_module``,
-``prepare_trainer_optimizer``, ``synchronize_buffers``, ``no_sync``,
+``prepare_trainer_optimizer``, ``broadcast_buffers``, ``synchronize_buffers``, ``no_sync``,
 ``converts_checkpoint_state`` and the checkpoint methods; ``Strategy.build_for_trainer``
 for a kind, found in `torchstrategy.strategies.registry`) and ``runtime.current().world``;
 private Lightning APIs go through `torchstrategy._compat`.
@@ -58,6 +64,10 @@ from torchstrategy.strategies.base import Strategy
 PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 _T = TypeVar("_T")
 START_METHODS = ("popen", "fork")
+# How buffers (BatchNorm statistics) follow the replicas: "broadcast" replica 0's, as
+# Lightning's "ddp" (DistributedDataParallel's broadcast_buffers), or "mean" over replicas
+# after each training step, as torchstrategy's own `strategy.run`.
+BUFFER_MODES = ("broadcast", "mean")
 
 _LIGHTNING_REDUCE_OPS = {"mean": ReduceOp.MEAN, "avg": ReduceOp.MEAN, "sum": ReduceOp.SUM}
 _TORCH_REDUCE_OPS = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
@@ -245,6 +255,14 @@ def check_arguments(strategy: Strategy | None, kind: str | None, start_method: s
                          f"{start_method!r} (start_method='fork' is for kind='mirrored').")
 
 
+def check_buffers(buffers: str) -> None:
+    """Refuses a `buffers` mode other than those of `BUFFER_MODES`, naming them."""
+    if buffers not in BUFFER_MODES:
+        raise ValueError(f"buffers must be 'broadcast' (replica 0's, as Lightning's 'ddp') "
+                         f"or 'mean' (the replica mean after each training step), got "
+                         f"{buffers!r}.")
+
+
 def _unsupported_message(name: str) -> str:
     return (f"{name} runs all its replicas inside one process (threads, or one XLA program), "
             "but Lightning runs its training loop once per process, so the Lightning adapter "
@@ -321,9 +339,10 @@ class LightningStrategy(_LightningParallelStrategy):
 
     def __init__(self, strategy: Strategy | None = None, *, kind: str | None = None,
                  start_method: str = "popen", package: str | None = None,
-                 accelerator: Any = None, checkpoint_io: Any = None,
-                 precision_plugin: Any = None) -> None:
+                 buffers: str = "broadcast", accelerator: Any = None,
+                 checkpoint_io: Any = None, precision_plugin: Any = None) -> None:
         check_package(package)
+        check_buffers(buffers)
         check_arguments(strategy, kind, start_method)
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
@@ -332,12 +351,27 @@ class LightningStrategy(_LightningParallelStrategy):
         self._start_method = start_method
         self._num_nodes = 1
         self._parallel_devices: list[torch.device] | None = None
+        self._buffers = buffers
+        # DistributedDataParallel's state, as Lightning's "ddp" drives it (see
+        # `_after_step`): Lightning wraps the module only to fit, and the wrapper
+        # broadcasts buffers before a forward while `_broadcast_before_next_step`
+        # (its ``require_forward_param_sync``) holds; `_gradients_synchronised` is False
+        # inside `block_backward_sync` (its ``require_backward_grad_sync``).
+        self._fitting = False
+        self._broadcast_before_next_step = False
+        self._gradients_synchronised = True
 
     # -- the wrapped strategy ------------------------------------------------------------
     @property
     def torchstrategy(self) -> Strategy | None:
         """The wrapped torchstrategy strategy (None until built, for a kind)."""
         return self._ts
+
+    @property
+    def buffers(self) -> str:
+        """How buffers follow the replicas: "broadcast" (replica 0's, as Lightning's
+        "ddp") or "mean" (the replica mean after each training step)."""
+        return self._buffers
 
     def _communicator(self) -> Communicator | None:
         return None if self._ts is None else self._ts.extended.communicator
@@ -539,6 +573,14 @@ class LightningStrategy(_LightningParallelStrategy):
         ext = self._built.extended
         ext.prepare_trainer_module(self.model)
         fitting = trainer.state.fn == self.lightning.fitting
+        if self._buffers == "broadcast":
+            # Lightning's "ddp" broadcasts replica 0's module state here: wrapping the
+            # module to fit, or by hand to validate, test or predict.
+            ext.broadcast_buffers()
+        self._fitting = fitting
+        # A fresh DistributedDataParallel broadcasts again before its first forward.
+        self._broadcast_before_next_step = fitting
+        self._gradients_synchronised = True
         if fitting:
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:
@@ -561,28 +603,56 @@ class LightningStrategy(_LightningParallelStrategy):
         with context.enter(self._ts, replica):
             yield
 
+    def _before_step(self) -> None:
+        """Broadcasts replica 0's buffers where DistributedDataParallel would, before
+        this step's forward (``buffers="broadcast"``)."""
+        if self._buffers == "broadcast" and self._broadcast_before_next_step:
+            self._built.extended.broadcast_buffers()
+
+    def _after_step(self) -> None:
+        """DistributedDataParallel's rule at the end of a forward: the next forward
+        broadcasts buffers only after one that ran with gradients enabled and gradients
+        synchronised. Lightning's ``"ddp"`` turns gradient synchronisation off inside the
+        forward in manual optimisation, so there only the first step of a fit
+        broadcasts; evaluation (no gradients) and accumulating steps never arm it."""
+        self._broadcast_before_next_step = (
+            self._fitting and torch.is_grad_enabled() and self._gradients_synchronised
+            and bool(self.lightning_module.automatic_optimization))
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Lightning's training step in the strategy's replica context; buffers are made
-        the replica mean after it."""
+        """Lightning's training step in the strategy's replica context; buffers follow
+        the replicas as `buffers` says (the module docstring)."""
+        self._before_step()
         with self._replica_context():
             output = super().training_step(*args, **kwargs)
-        self._built.extended.synchronize_buffers()
+            self._after_step()
+        if self._buffers == "mean":
+            self._built.extended.synchronize_buffers()
         return output
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """Lightning's validation step in the strategy's replica context."""
+        self._before_step()
         with self._replica_context():
-            return super().validation_step(*args, **kwargs)
+            output = super().validation_step(*args, **kwargs)
+            self._after_step()
+        return output
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         """Lightning's test step in the strategy's replica context."""
+        self._before_step()
         with self._replica_context():
-            return super().test_step(*args, **kwargs)
+            output = super().test_step(*args, **kwargs)
+            self._after_step()
+        return output
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """Lightning's predict step in the strategy's replica context."""
+        self._before_step()
         with self._replica_context():
-            return super().predict_step(*args, **kwargs)
+            output = super().predict_step(*args, **kwargs)
+            self._after_step()
+        return output
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any,
                  **kwargs: Any) -> torch.Tensor:
@@ -599,8 +669,12 @@ class LightningStrategy(_LightningParallelStrategy):
         if self._ts is None:
             yield
             return
-        with self._ts.extended.no_sync():
-            yield
+        self._gradients_synchronised = False
+        try:
+            with self._ts.extended.no_sync():
+                yield
+        finally:
+            self._gradients_synchronised = True
 
     # -- checkpoints through the strategy where it converts state (a sharded model: full
     # tensors, gathered on every replica); Lightning's own path otherwise ---------------
@@ -710,11 +784,17 @@ LightningStrategy.__doc__ = CLASS_DOC = """A Lightning strategy that runs the Tr
         the trained weights back into the calling process, as Lightning's ``ddp_notebook``
         does.
       package: "lightning.pytorch" or "pytorch_lightning" (default: the one in use).
+      buffers: how buffers (BatchNorm statistics) follow the replicas. "broadcast"
+        (default): replica 0's are broadcast where Lightning's ``"ddp"`` broadcasts them
+        (DistributedDataParallel's ``broadcast_buffers``: at set-up, and before each
+        forward that follows a synchronised training step), so validation sees the
+        values it sees under ``"ddp"``. "mean": the mean over replicas after each
+        training step, as in torchstrategy's own ``strategy.run``.
       accelerator / checkpoint_io / precision_plugin: as for any Lightning strategy.
 
     Raises:
       ValueError: at construction, for anything but exactly one of `strategy` and `kind`,
-        an unknown `kind`, `start_method` or `package` (the message names the accepted
-        values), or a strategy that runs several replicas in one process.
+        an unknown `kind`, `start_method`, `package` or `buffers` (the message names the
+        accepted values), or a strategy that runs several replicas in one process.
       TypeError: a `strategy` that is not a torchstrategy strategy.
     """

@@ -57,7 +57,8 @@ class StrategyExtended(abc.ABC):
     `load_state_dict_from_checkpoint` (checkpoints), `replicas_are_threads`,
     `one_replica_per_process`, `metric_sync` (``ts.metrics.sync``), `adopt`,
     `backward_replicas_outside_run`, `prepare_trainer_module` / `prepare_trainer_optimizer`
-    (a training loop the strategy does not run, Lightning's), and the class method
+    / `broadcast_buffers` (a training loop the strategy does not run, Lightning's), and
+    the class method
     `Strategy.build_for_trainer`. It never tests a strategy's class.
     """
 
@@ -456,6 +457,22 @@ class StrategyExtended(abc.ABC):
         """Makes mirrored buffers (BatchNorm statistics) identical on every replica; the
         strategy calls it after each ``run``, an adapter driving its own loop (Lightning)
         after each optimizer step."""
+
+    def broadcast_buffers(self) -> None:
+        """Overwrites the floating buffers the scope recorded (BatchNorm statistics) with
+        replica 0's on every replica, in one fused broadcast per dtype, as
+        DistributedDataParallel does before a forward (``broadcast_buffers=True``).
+        Every replica calls it at the same point; with one replica, or no buffers, it
+        communicates nothing. The Lightning adapter calls it where Lightning's ``"ddp"``
+        would broadcast. By default over `communicator` when it spans several processes
+        (replicas that are threads of one process share their buffers already)."""
+        comm = self.communicator
+        if not isinstance(comm, Communicator) or comm.world_size == 1:
+            return
+        buffers = self._mirrored.floating_buffers()
+        if buffers:
+            with torch.no_grad():
+                comm.broadcast_(buffers, src=0)
 
     def stats(self) -> ReductionStats:
         """What the gradient reduction did in the last synchronised ``backward()``, as a
