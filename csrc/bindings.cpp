@@ -60,6 +60,7 @@ void bind_reducer(py::module_& m) {
       .def("mark_ready", &Reducer::mark_ready, py::call_guard<py::gil_scoped_release>())
       .def("finalize", &Reducer::finalize)
       .def("reset_step", &Reducer::reset_step)
+      .def("average_this_backward", &Reducer::average_this_backward)  // releases the GIL
       .def("bucket_sizes", &Reducer::bucket_sizes)
       .def("bucket_order", &Reducer::bucket_order)
       .def("bucket_layout", &Reducer::bucket_layout)

@@ -81,6 +81,10 @@ Reducer::Reducer(int64_t cap_bytes, int64_t first_cap_bytes, int64_t world_size,
   if (!process_group.is_none()) {
     process_group_ = compat::process_group_from_python(process_group);
   }
+  // DDP multiplies a copied gradient by this wrapped double, so the product is computed
+  // in the gradient's dtype exactly as DDP's reducer computes it.
+  inverse_world_ = at::scalar_tensor(1.0 / static_cast<double>(world_size_), at::kDouble);
+  inverse_world_.unsafeGetTensorImpl()->set_wrapped_number(true);
 }
 
 Reducer::~Reducer() {
@@ -191,6 +195,17 @@ std::optional<std::vector<int64_t>> Reducer::take_arrival() {
   return std::move(arrival_);
 }
 
+bool Reducer::average_this_backward() {
+  py::gil_scoped_release no_gil;  // mutex_ is never taken holding the GIL (reducer.h)
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (sync_) {
+    average_ = true;
+    // Finalised (and the mark cleared) even if none of our parameters gets a gradient.
+    queue_finalize();
+  }
+  return true;
+}
+
 void Reducer::mark_ready(int64_t index) {
   queued_ = true;  // no backward to queue the finalisation on: the caller runs it
   on_ready(index);
@@ -219,6 +234,9 @@ bool Reducer::finalize() {
       b.work.reset();
       b.py_work.reset();
       if (b.wire.defined()) cast_copy(b.wire, b.flat, static_cast<double>(world_size_), false);
+      // Launched before this backward asked to average: divided after the sum instead
+      // (the same numbers as before it for a power-of-two world size).
+      if (average_ && !b.averaged) b.flat.narrow(0, 0, b.flags_at).div_(world_size_);
       settle(b);
     }
     std::fill(local_.begin(), local_.end(), 0);
@@ -242,6 +260,7 @@ void Reducer::reset_step() {
   for (at::Tensor& t : stash_) t = at::Tensor();
   queued_ = false;
   any_ready_ = false;
+  average_ = false;
   next_launch_ = 0;
   step_bytes_ = 0;
   step_buckets_ = 0;
@@ -249,6 +268,7 @@ void Reducer::reset_step() {
     std::fill(b.ready.begin(), b.ready.end(), 0);
     b.pending = static_cast<int64_t>(b.params.size());
     b.complete = false;
+    b.averaged = false;
     b.work.reset();
     b.py_work.reset();
   }
@@ -350,6 +370,7 @@ void Reducer::queue_finalize() {
 void Reducer::launch(Bucket& b) {
   at::NoGradGuard no_grad;
   b.complete = b.pending == 0;
+  b.averaged = average_;
   const size_t count = b.params.size();
   std::vector<float> flags(count, 1.0f);
   for (size_t k = 0; k < count; ++k) {
@@ -372,11 +393,20 @@ void Reducer::launch(Bucket& b) {
     TORCH_CHECK(!contribution.is_sparse(),
                 "Sparse gradients (nn.Embedding(sparse=True)) are not supported by the "
                 "gradient reducer; use dense gradients.");
+    // Averaging divides each gradient as DDP's reducer does: while copying it into the
+    // bucket (times 1/N), or in place where it already lives there (divided by N).
+    bool divided = false;
     if (!is_view(i, contribution)) {
-      view.copy_(contribution);
+      if (b.averaged && !synced_part_[i].defined()) {
+        at::mul_out(view, contribution, inverse_world_);
+        divided = true;
+      } else {
+        view.copy_(contribution);
+      }
       grad = view;
     }
     if (synced_part_[i].defined()) view.sub_(synced_part_[i]);
+    if (b.averaged && !divided) view.div_(world_size_);
   }
   at::Tensor flag_slots = b.flat.narrow(0, b.flags_at, static_cast<int64_t>(count));
   if (b.complete) {

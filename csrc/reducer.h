@@ -62,6 +62,7 @@ struct Bucket {
   std::vector<char> ready;
   int64_t pending = 0;
   bool complete = false;        // launched with every parameter ready
+  bool averaged = false;        // launched with its slots divided by the world size
   compat::WorkPtr work;
   std::optional<pybind11::object> py_work;  // set and cleared with the GIL held
 };
@@ -99,6 +100,13 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool finalize();
   // Clears the per-backward state (GIL held; also after a failed finalize).
   void reset_step();
+  // Called from a backward (an autograd node's backward, GIL held): this synchronised
+  // backward averages, as DistributedDataParallel: each bucket's slots are divided by the
+  // world size before the SUM all-reduce (buckets launched before the call are divided
+  // after it). Under no_sync it marks nothing. Returns true: the gradients of this
+  // backward, or of the synchronising backward that ends a no_sync accumulation, are
+  // left to the reducer to average.
+  bool average_this_backward();
 
   // -- inspection ----------------------------------------------------------------------
   std::vector<int64_t> bucket_sizes() const;
@@ -144,6 +152,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<at::Tensor> stash_;      // .grad kept from before this backward
   std::vector<at::Tensor> synced_part_;  // summed part under a no_sync accumulation
   bool sync_ = true;
+  bool average_ = false;               // this backward averages (average_this_backward)
+  at::Tensor inverse_world_;           // 1 / world_size as a wrapped number, as DDP's
   bool queued_ = false;
   bool any_ready_ = false;
   size_t next_launch_ = 0;

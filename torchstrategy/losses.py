@@ -5,8 +5,8 @@ Under a strategy, ``backward()`` *sums* gradients over replicas (TensorFlow's se
 Dividing each replica's summed per-example loss by the *global* batch size makes that sum
 the gradient of the global-batch mean loss, exactly as single-device training computes it.
 A DDP program instead computes a mean loss per replica and relies on DDP *averaging*
-gradients: `scale_mean_loss` divides such a loss by the number of replicas, which gives
-DDP's averaged gradients under the summing reduction.
+gradients: `scale_mean_loss` keeps such a loss's value (it logs as DDP's) and makes the
+backward through it leave DDP's average in ``.grad``.
 
 How many replicas a ``backward()`` sums over is known inside ``strategy.run`` (its replica
 context). Outside ``run`` (a DDP-style loop, with or without the scope) it is the *live*
@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from torchstrategy import context, ownership
+from torchstrategy.collectives.reducer import GradientReducer, reducer_for
 from torchstrategy.reduce_op import ReduceOp
 
 
@@ -94,20 +95,35 @@ def scale_regularization_loss(regularization_loss: torch.Tensor) -> torch.Tensor
 
 def scale_mean_loss(loss: torch.Tensor | float) -> torch.Tensor:
     """DDP's convention: `loss` is already a mean over this replica's examples (a criterion
-    with its default ``reduction="mean"``); returns ``loss / num_replicas``, so that the
-    gradients summed over replicas are the *average* of the replicas' gradients, exactly
-    what ``DistributedDataParallel`` leaves in ``.grad``. A DDP training loop then ports
-    without arithmetic::
+    with its default ``reduction="mean"``). Returns a tensor with the same value as `loss`
+    (so ``loss.item()`` logs what DDP's program logs) whose backward leaves in ``.grad``
+    the *average* of the replicas' gradients, what ``DistributedDataParallel`` leaves. A
+    DDP training loop then ports without arithmetic::
 
         loss = ts.scale_mean_loss(F.cross_entropy(model(x), y))
         loss.backward()
 
+    Only the gradient is scaled, and where DDP scales it: under a strategy whose gradient
+    reducer sums over processes (MirroredStrategy, MultiWorkerMirroredStrategy) the
+    backward marks itself as averaging, and the reducer divides each float32 gradient by
+    the number of replicas as it enters its bucket, before the SUM all-reduce, exactly as
+    DDP's reducer does. So weights stay bit-identical to DDP's with fp16 autocast and a
+    GradScaler too (a factor run through the fp16 backward would round differently).
+    Under ``no_sync()`` nothing is divided: the synchronising backward divides what
+    accumulated, as in DDP. Strategies that reduce another way (CentralStorageStrategy's
+    replica threads, ShardedStrategy's FSDP2 reduce-scatter) divide the loss's gradient
+    by the number of replicas as it enters the backward: the same average, with the
+    rounding of that order. A strategy that traces one program over the whole global
+    batch (TPUStrategy), or a single replica, returns `loss` as it is.
+
+    Use it on the whole loss of a backward: a backward that averages divides every
+    gradient it produces, so a term scaled for summing (`compute_average_loss`,
+    `scale_regularization_loss`) added outside it would be divided twice.
+
     With equal local batches this is the global-batch mean (single-device training). With
     an uneven last batch every replica weighs the same, as in DDP; use
     `compute_average_loss` for the exact global-batch mean. Inside ``run`` the replica
-    count is the run's; outside it, the live strategy's (see the module docstring). A
-    strategy that traces one program over the whole global batch (TPUStrategy) returns
-    `loss` as it is.
+    count is the run's; outside it, the live strategy's (see the module docstring).
 
     Raises:
       ValueError: `loss` is not a scalar (pass per-example losses to
@@ -121,7 +137,38 @@ def scale_mean_loss(loss: torch.Tensor | float) -> torch.Tensor:
                          "to ts.compute_average_loss.")
     if _traces_global_batch():
         return loss
-    return loss / _num_replicas()
+    replicas = _num_replicas()
+    if replicas == 1:
+        return loss
+    reducer = reducer_for(_summing_strategy().extended.communicator)
+    return _AveragedGradient.apply(loss, reducer, replicas)
+
+
+class _AveragedGradient(torch.autograd.Function):
+    """The identity on a mean loss; its backward makes the gradients the average over
+    `replicas`: by the gradient reducer, as DDP does, when `reducer` is open, else by
+    dividing the incoming gradient (the same division ``loss / replicas`` would do)."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, reducer: GradientReducer | None,
+                replicas: int) -> torch.Tensor:
+        ctx.reducer = reducer
+        ctx.replicas = replicas
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        if ctx.reducer is not None and ctx.reducer.average_this_backward():
+            return grad, None, None
+        return grad / ctx.replicas, None, None
+
+
+def _summing_strategy() -> context.AnyStrategy:
+    """The strategy whose replicas a ``backward()`` here sums over: the run's inside
+    ``run``, else the live strategy (only asked when there are several replicas)."""
+    if context.in_run():
+        return context.get_strategy()
+    return _outside_run_strategy()[0]
 
 
 def _traces_global_batch() -> bool:

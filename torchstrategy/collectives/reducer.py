@@ -43,6 +43,17 @@ process group (or through a Python `CrossDeviceOps`' ``all_reduce_async`` when t
 uses another algorithm) and the settling of gradients; Python runs once per backward, to
 explain collective failures.
 
+Averaging (DDP's convention, `torchstrategy.scale_mean_loss`). A backward that calls
+`GradientReducer.average_this_backward` (from an autograd node: the mean loss's) leaves the
+*average* over replicas instead of the sum, computed as DistributedDataParallel computes
+it: each gradient is divided by the number of replicas as it enters its bucket (times
+``1/N`` while copied, divided by ``N`` where it already lives there), then the buckets are
+all-reduced with SUM. A bucket launched before the call (a branch of the graph that does
+not lead through the mean loss) is divided after its sum. Under ``no_sync()`` nothing is
+marked: the synchronising backward decides, and divides everything accumulated since, as
+DDP does. Only this backward's new gradients are divided; an older sum kept in ``.grad``
+is added back as it is.
+
 Because gradients are views, a ``.grad`` tensor kept from one step is overwritten by the
 next step's gradients (as with DDP's ``gradient_as_bucket_view``): clone it to keep it.
 """
@@ -53,6 +64,7 @@ import weakref
 from typing import Any, Iterable, Iterator
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from torchstrategy import _compat, _ops, module_state, runtime
 from torchstrategy.collectives.communicator import Communicator, explained_failures
@@ -74,6 +86,21 @@ def _process_group_for_cpp(cross_device_ops: CrossDeviceOps,
     return group if group is not None else _compat.default_process_group()
 
 
+def _reducers() -> WeakIdKeyDictionary:
+    """This process's reducers (weakly) by the communicator they reduce over."""
+    return runtime.current().state("torchstrategy.collectives.reducer.by_communicator",
+                                    WeakIdKeyDictionary)
+
+
+def reducer_for(communicator: object) -> GradientReducer | None:
+    """The open `GradientReducer` reducing gradients over `communicator` (a strategy's
+    ``extended.communicator``), or None: that strategy reduces gradients another way, or
+    has one replica."""
+    found = _reducers().get(communicator)
+    reducer = found() if found is not None else None
+    return reducer if reducer is not None and reducer._core is not None else None
+
+
 class GradientReducer:
     """Sums the gradients of the registered parameters across replicas during backward.
 
@@ -92,6 +119,7 @@ class GradientReducer:
             raise ValueError(f"bucket_cap_bytes must be positive, got {bucket_cap_bytes}.")
         self._comm = communicator
         runtime.current().track_reducer(self)
+        _reducers()[communicator] = weakref.ref(self)
         self._cap = int(bucket_cap_bytes)
         self._params: list[torch.Tensor] = []          # registration order
         # param -> its registration index, by identity (the parameters are kept alive, so
@@ -210,6 +238,21 @@ class GradientReducer:
                               num_parameters=len(self._params),
                               exposed_communication_seconds=waited,
                               compression=self._compression, steps=steps)
+
+    # -- averaging ----------------------------------------------------------------------
+    def average_this_backward(self) -> bool:
+        """Makes the backward running now leave the average over replicas in ``.grad``
+        (DDP's arithmetic; see the module docstring). Must be called from inside a backward
+        pass (an autograd Function's ``backward``). Under ``no_sync()`` it marks nothing:
+        the synchronising backward averages what accumulated if it calls this too.
+
+        Returns:
+          True when the reducer takes the averaging on (the caller must not scale the
+          gradient); False when it is closed.
+        """
+        if self._core is None:
+            return False
+        return bool(self._core.average_this_backward())
 
     # -- no_sync ------------------------------------------------------------------------
     @contextlib.contextmanager
