@@ -6,10 +6,21 @@ one epoch in fp32 from scratch (the replicas build different weights; DDP and ``
 keep rank 0's) saving a snapshot of model and optimizer, then a second launch that resumes
 from that snapshot and trains another epoch with fp16 autocast and a GradScaler. Every
 logged train and eval loss and every saved snapshot (weights and AdamW's state) must be
-DDP's. nanoGPT (dropout 0.1, accumulation with its prefetched batch) is checked through the
+DDP's.
+
+pytorch/examples' FSDP2 example (fsdp2_example.py: a meta-device Transformer, ``fully_shard``
+per layer and on the model, full-state-dict checkpoints through
+``torch.distributed.checkpoint.state_dict``) runs once from scratch; its checkpoint is then
+resumed by the example and by its port on ShardedStrategy (fsdp2_example_ported.py), whose
+losses, weights and Adam state must be the example's. (A fresh start is not compared: the
+example's ``reset_parameters`` on the sharded meta model draws other numbers than a model
+built whole.)
+
+nanoGPT (dropout 0.1, accumulation with its prefetched batch) is checked through the
 guide's own diff in test_guide_diffs.py.
 """
 import re
+import shutil
 
 import pytest
 import torch
@@ -69,3 +80,33 @@ def test_mingpt_port_resumes_and_equals_ddp_with_fp16_autocast_and_grad_scaler(m
     assert _losses(port_out) == losses
     assert ddp_snapshot["finished_epoch"] == 2
     _assert_snapshots_identical(port_snapshot, ddp_snapshot, "minGPT fp16 resumed")
+
+
+FSDP2_LOSS_LINE = re.compile(r"\[rank (\d)\] step (\d+) loss (\S+?)(?=\[|$)", re.MULTILINE)
+
+
+@pytest.fixture(scope="module")
+def fsdp2_runs(tmp_path_factory):
+    fresh = tmp_path_factory.mktemp("fsdp2_fresh")
+    torchrun(PROGRAMS / "fsdp2_example.py", cwd=fresh)
+    runs = {}
+    for kind, program in (("fsdp2", "fsdp2_example.py"), ("port", "fsdp2_example_ported.py")):
+        directory = tmp_path_factory.mktemp(kind)
+        shutil.copytree(fresh / "checkpoints", directory / "checkpoints")
+        output = torchrun(PROGRAMS / program, cwd=directory)
+        last = directory / "checkpoints" / "last"
+        runs[kind] = (output, torch.load(last / "model_state_dict.pt"),
+                      torch.load(last / "optim_state_dict.pt"))
+    return runs
+
+
+def test_fsdp2_example_port_on_sharded_strategy_resumes_as_fsdp2(fsdp2_runs):
+    (fsdp2_out, fsdp2_model, fsdp2_optim), (port_out, port_model, port_optim) = \
+        fsdp2_runs["fsdp2"], fsdp2_runs["port"]
+    losses = {m[:2]: m[2] for m in FSDP2_LOSS_LINE.findall(fsdp2_out)}
+    assert len(losses) == 6, fsdp2_out[-2000:]          # 3 steps on 2 replicas
+    assert {m[:2]: m[2] for m in FSDP2_LOSS_LINE.findall(port_out)} == losses
+    assert_identical(port_model, fsdp2_model, "FSDP2 example weights")
+    assert list(port_optim["state"]) == list(fsdp2_optim["state"])
+    for name, state in fsdp2_optim["state"].items():
+        assert_identical(port_optim["state"][name], state, f"Adam state {name}")

@@ -1,0 +1,156 @@
+"""fsdp2_example.py ported to torchstrategy's ShardedStrategy: the strategy in place of the
+process group; the model built inside ``strategy.scope()`` (ShardedStrategy shards each
+repeated block, then the model, as the example's ``fully_shard`` calls do, when the scope
+exits) instead of on the meta device; ``ts.scale_mean_loss`` on what ``backward()`` gets
+(the strategy sums gradients, FSDP2 averages them; the logged loss is unchanged). The
+sharded model is an FSDP2 module, so the example's checkpointing through
+``torch.distributed.checkpoint.state_dict`` stays as it is. A fresh start initialises the
+weights as the model's constructor does (on the CPU, the example's ``reset_parameters`` on
+the sharded meta model draws other numbers), so the seed that gives the batches is set
+after the model is built; the test compares the resumed runs.
+
+The original's description: the shape of pytorch/examples' ``distributed/FSDP2/example.py``.
+Kept from the example: a Transformer built on the meta device, ``fully_shard`` on each
+layer and then on the model, ``to_empty`` + ``reset_parameters`` for a fresh start or the
+last checkpoint loaded (full state dicts through ``torch.distributed.checkpoint.state_dict``,
+broadcast from rank 0) with Adam's state, the same random batch on every rank, ``loss =
+model(x).sum()`` with FSDP2's averaged gradients, and a checkpoint saved at the end.
+Changed: tiny sizes, gloo and the CPU without GPUs, a step count argument, the checkpoint
+in ``checkpoints/last`` (the example names it by time), so it is
+loaded without ``mmap`` (the save overwrites it), and the loss printed per step.
+
+    torchrun --standalone --nproc-per-node=2 fsdp2_example.py [--steps N]
+"""
+import argparse
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+    set_optimizer_state_dict)
+
+import torchstrategy as ts
+
+VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH = 32, 16, 2, 2, 8, 4
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (w(x).view(b, t, HEADS, DIM // HEADS).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, DIM))
+
+    def reset_parameters(self):
+        for w in (self.wq, self.wk, self.wv, self.wo):
+            w.reset_parameters()
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(DIM)
+        self.attention = Attention()
+        self.ffn_norm = nn.LayerNorm(DIM)
+        self.w1 = nn.Linear(DIM, 4 * DIM)
+        self.w2 = nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.w2(F.gelu(self.w1(self.ffn_norm(x))))
+
+    def reset_parameters(self):
+        for module in (self.attention_norm, self.attention, self.ffn_norm, self.w1, self.w2):
+            module.reset_parameters()
+
+
+class Transformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
+        self.pos_embeddings = nn.Embedding(SEQ, DIM)
+        self.layers = nn.ModuleList(TransformerBlock() for _ in range(LAYERS))
+        self.norm = nn.LayerNorm(DIM)
+        self.output = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        h = self.tok_embeddings(tokens) + self.pos_embeddings(pos)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+    def reset_parameters(self):
+        for module in (self.tok_embeddings, self.pos_embeddings, *self.layers, self.norm,
+                       self.output):
+            module.reset_parameters()
+
+
+class Checkpointer:
+    def __init__(self, folder):
+        self.folder = folder
+        last = os.path.join(folder, "last")
+        self.last_training_time = "last" if os.path.exists(last) else None
+
+    def _path(self, name):
+        return os.path.join(self.folder, "last", name)
+
+    def load_model(self, model):
+        full_sd = torch.load(self._path("model_state_dict.pt"), weights_only=True,
+                             map_location="cpu")
+        set_model_state_dict(model, full_sd, options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True))
+
+    def load_optim(self, model, opt):
+        full_sd = torch.load(self._path("optim_state_dict.pt"), weights_only=True,
+                             map_location="cpu")
+        set_optimizer_state_dict(model, opt, full_sd, options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True))
+
+    def save(self, model, optim):
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_sd = get_model_state_dict(model, options=options)
+        optim_sd = get_optimizer_state_dict(model, optim, options=options)
+        if torch.distributed.get_rank() == 0:
+            os.makedirs(os.path.join(self.folder, "last"), exist_ok=True)
+            torch.save(model_sd, self._path("model_state_dict.pt"))
+            torch.save(optim_sd, self._path("optim_state_dict.pt"))
+
+
+def main(args):
+    strategy = ts.ShardedStrategy()   # torchrun's world: NCCL on GPUs, gloo on CPUs
+    device = strategy.extended.torch_device
+    with strategy.scope():            # sharded when the scope exits
+        model = Transformer()
+    torch.manual_seed(0)   # after the initialisation's draws (the meta model draws none)
+
+    checkpointer = Checkpointer("checkpoints")
+    if checkpointer.last_training_time is not None:
+        checkpointer.load_model(model)
+
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    if checkpointer.last_training_time is not None:
+        checkpointer.load_optim(model, optim)
+
+    for step in range(args.steps):
+        x = torch.randint(0, VOCAB, (BATCH, SEQ), device=device)
+        loss = model(x).sum()
+        ts.scale_mean_loss(loss).backward()   # FSDP2's averaged gradients
+        optim.step()
+        optim.zero_grad()
+        print(f"[rank {torch.distributed.get_rank()}] step {step} loss {loss.item()!r}")
+
+    checkpointer.save(model, optim)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="PyTorch FSDP2 example")
+    parser.add_argument("--steps", type=int, default=3)
+    main(parser.parse_args())
