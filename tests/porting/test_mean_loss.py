@@ -268,3 +268,62 @@ def test_accumulate_equals_ddp_no_sync_loop(replicas):
 def test_a_term_outside_the_mean_loss_is_averaged_as_ddp_averages_it(replicas):
     for rank, r in enumerate(replicas):
         assert_equals_ddp(r["extra_term"], rank, "extra term")
+
+
+# -- strategies that reduce without the gradient reducer: the loss's gradient is divided ----
+def one_device_mean_loss_grads(x, y):
+    model = make_model()
+    F.cross_entropy(model(x), y).backward()
+    return grads_of(model)
+
+
+def test_central_storage_replica_threads_average_and_log_the_mean_loss():
+    strategy = ts.CentralStorageStrategy(compute_devices=["cpu:0", "cpu:1"])
+    with strategy.scope():
+        model = make_model()
+    (x0, y0), = local_batches(1, 0, seed=5)
+    (x1, y1), = local_batches(1, 1, seed=5)
+    logged = {}
+
+    def step(x, y):
+        mean = F.cross_entropy(model(x), y)
+        loss = ts.scale_mean_loss(mean)
+        logged[ts.get_replica_context().replica_id_in_sync_group] = (loss.item(), mean.item())
+        loss.backward()
+
+    inputs = strategy.experimental_distribute_values_from_function(
+        lambda ctx: ((x0, y0), (x1, y1))[ctx.replica_id_in_sync_group])
+    strategy.run(lambda batch: step(*batch), args=(inputs,))
+    assert all(value == mean for value, mean in logged.values()) and len(logged) == 2
+    want = one_device_mean_loss_grads(torch.cat([x0, x1]), torch.cat([y0, y1]))
+    for name, grad in grads_of(model).items():
+        torch.testing.assert_close(grad, want[name], atol=1e-6, rtol=0)
+
+
+def _sharded_against_ddp():
+    strategy = ts.ShardedStrategy()
+    rank = strategy.extended.replica_id
+    ddp, ddp_optimizer, model, optimizer = pair(strategy, torch.optim.SGD, lr=0.1)
+    log = {}
+    for x, y in local_batches(STEPS, rank, seed=6):
+        for name, net, opt, convention in (("ddp", ddp, ddp_optimizer, lambda loss: loss),
+                                           ("ours", model, optimizer, ts.scale_mean_loss)):
+            loss = convention(F.cross_entropy(net(x), y))
+            loss.backward()
+            log.setdefault(name + "_losses", []).append(loss.item())
+            opt.step()
+            opt.zero_grad()
+    log["ddp_final"] = detached_state(ddp.module)
+    log["ours_final"] = {k: v.full_tensor() for k, v in detached_state(model).items()}
+    return from_every_replica(log)
+
+
+def test_sharded_averages_and_logs_the_mean_loss():
+    # FSDP2 reduce-scatters a SUM here; the loss's gradient is divided by the replicas
+    # before the backward, so the weights equal DDP's up to that order's rounding.
+    for rank, log in enumerate(launch(_sharded_against_ddp, n=N)):
+        assert log["ours_losses"][0] == log["ddp_losses"][0], rank
+        torch.testing.assert_close(log["ours_losses"], log["ddp_losses"], atol=1e-6, rtol=0)
+        for key, want in log["ddp_final"].items():
+            torch.testing.assert_close(log["ours_final"][key], want, atol=1e-6, rtol=0,
+                                       msg=lambda m: f"replica {rank} {key}: {m}")
