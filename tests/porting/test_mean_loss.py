@@ -14,8 +14,13 @@ losses, the gradients and the weights:
   (the reduced gradients carry the inf) and halves the scale;
 - gradient accumulation: ``ts.accumulate``'s ``micro.scale_mean_loss`` against DDP's
   ``no_sync`` loop with ``loss / steps`` (DDP divides at the synchronising backward only);
-- a term added outside the mean loss, in a bucket all-reduced first: averaged, as DDP
-  averages every gradient.
+- a term added outside the mean loss, whose bucket is launched before the mean loss's
+  backward asks to average (so it is divided after its sum): averaged, as DDP averages
+  every gradient.
+
+CentralStorageStrategy's replica threads and ShardedStrategy (FSDP2) divide the loss's
+gradient instead: the value logged is still the mean loss, the gradients the average (to
+rounding).
 
 Everything is compared for exact equality (NaN as NaN on both sides).
 """
@@ -147,35 +152,35 @@ def accumulated_training(strategy, rank):
 
 class WithExtra(nn.Module):
     """A model and a large parameter (over 1 MiB: a bucket of its own, all-reduced first
-    once the buckets follow the order gradients arrive in) whose loss term is added
-    outside the mean loss."""
+    once the buckets follow the order gradients arrive in)."""
 
     def __init__(self):
         super().__init__()
         self.net = make_model()
         self.extra = nn.Parameter(torch.linspace(-1, 1, 300_000))
 
-    def forward(self, x, weight):
-        return self.net(x), weight * self.extra.square().sum()
+    def forward(self, x):
+        return self.net(x)
 
 
 def extra_term_training(strategy, rank):
+    """A term added outside the mean loss, built after it: autograd reaches its parameter
+    (and launches its bucket) before the mean loss's backward asks to average, so that
+    bucket is divided after its sum."""
     torch.manual_seed(SEED)
     ddp = nn.parallel.DistributedDataParallel(WithExtra())
     with strategy.scope():
         torch.manual_seed(SEED)
         model = WithExtra()
     log = {}
+    weight = 0.01 * (rank + 1)   # differs per replica: a sum would not be the average
     for x, y in local_batches(3, rank, seed=4):
-        weight = 0.01 * (rank + 1)   # differs per replica: a sum would not be the average
-        logits, extra = ddp(x, weight)
-        loss = F.cross_entropy(logits, y)
-        (loss + extra).backward()
+        loss = F.cross_entropy(ddp(x), y)
+        (loss + weight * ddp.module.extra.square().sum()).backward()
         record(log, "ddp", loss, ddp.module)
         ddp.zero_grad()
-        logits, extra = model(x, weight)
-        loss = ts.scale_mean_loss(F.cross_entropy(logits, y))
-        (loss + extra).backward()
+        loss = ts.scale_mean_loss(F.cross_entropy(model(x), y))
+        (loss + weight * model.extra.square().sum()).backward()
         record(log, "ours", loss, model)
         model.zero_grad()
     log["ddp_final"] = detached_state(ddp.module)
