@@ -6,7 +6,8 @@ Each port and its original run under ``torchrun --standalone --nproc-per-node=2`
 print (losses, progress, resume messages) and the weights they save. The DDP tutorial
 resumes from a snapshot (its ``loc`` mapping on load, a snapshot without ``module.``
 keys saved after), nanoGPT trains with dropout 0.1, accumulation over a prefetched batch
-and periodic evaluation, and checkpoints.
+and periodic evaluation, and checkpoints; the Lightning program accumulates over 2 batches
+with dropout and saves a checkpoint.
 """
 import re
 
@@ -16,7 +17,7 @@ import torch
 from tests.porting.programs.harness import (
     PROGRAMS, apply_diff, assert_identical, guide_diffs, parse_diff, ported_program, torchrun)
 
-TESTED = {"multigpu_torchrun.py", "nanogpt_train.py"}
+TESTED = {"multigpu_torchrun.py", "nanogpt_train.py", "lightning_ddp.py"}
 
 
 def test_every_diff_of_the_guide_applies_to_a_tested_program():
@@ -28,7 +29,8 @@ def test_every_diff_of_the_guide_applies_to_a_tested_program():
         assert ported != original
         assert "DistributedDataParallel" not in ported, diff.name
         assert "init_process_group" not in ported, diff.name
-        assert "import torchstrategy as ts" in ported, diff.name
+        assert 'strategy="ddp"' not in ported, diff.name
+        assert "import torchstrategy" in ported, diff.name
 
 
 def test_the_diff_applier_refuses_a_diff_that_does_not_match():
@@ -84,3 +86,21 @@ def test_nanogpt_port_logs_and_trains_as_ddp(tmp_path):
     assert sorted(port_ckpt["optimizer"]["state"]) == sorted(want_state)
     for index, state in want_state.items():     # AdamW's moments and steps
         assert_identical(port_ckpt["optimizer"]["state"][index], state, f"AdamW state {index}")
+
+
+def test_lightning_port_logs_and_trains_as_ddp(tmp_path):
+    runs = {}
+    for kind in ("ddp", "port"):
+        directory = tmp_path / kind
+        directory.mkdir()
+        program = PROGRAMS / "lightning_ddp.py" if kind == "ddp" else \
+            ported_program("lightning_ddp.py", directory)
+        output = torchrun(program, cwd=directory)
+        losses = re.findall(r"\[rank (\d)\] batch (\d+) loss (\S+?)(?=\[|$)", output, re.MULTILINE)
+        checkpoint = torch.load(directory / "final.ckpt", weights_only=False)
+        runs[kind] = (sorted(losses), checkpoint)
+    (ddp_losses, ddp_ckpt), (port_losses, port_ckpt) = runs["ddp"], runs["port"]
+    assert len(ddp_losses) == 2 * 2 * 6     # 2 replicas, 2 epochs, 6 batches each
+    assert port_losses == ddp_losses
+    assert port_ckpt["global_step"] == ddp_ckpt["global_step"] == 6
+    assert_identical(port_ckpt["state_dict"], ddp_ckpt["state_dict"], "Lightning weights")
