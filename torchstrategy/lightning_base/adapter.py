@@ -351,7 +351,7 @@ class LightningStrategy(_LightningParallelStrategy):
         self._start_method = start_method
         self._num_nodes = 1
         self._parallel_devices: list[torch.device] | None = None
-        self._buffers = buffers
+        self._buffer_mode = buffers
         # DistributedDataParallel's state, as Lightning's "ddp" drives it (see
         # `_after_step`): Lightning wraps the module only to fit, and the wrapper
         # broadcasts buffers before a forward while `_broadcast_before_next_step`
@@ -371,7 +371,7 @@ class LightningStrategy(_LightningParallelStrategy):
     def buffers(self) -> str:
         """How buffers follow the replicas: "broadcast" (replica 0's, as Lightning's
         "ddp") or "mean" (the replica mean after each training step)."""
-        return self._buffers
+        return self._buffer_mode
 
     def _communicator(self) -> Communicator | None:
         return None if self._ts is None else self._ts.extended.communicator
@@ -573,7 +573,7 @@ class LightningStrategy(_LightningParallelStrategy):
         ext = self._built.extended
         ext.prepare_trainer_module(self.model)
         fitting = trainer.state.fn == self.lightning.fitting
-        if self._buffers == "broadcast":
+        if self._buffer_mode == "broadcast":
             # Lightning's "ddp" broadcasts replica 0's module state here: wrapping the
             # module to fit, or by hand to validate, test or predict.
             ext.broadcast_buffers()
@@ -606,7 +606,7 @@ class LightningStrategy(_LightningParallelStrategy):
     def _before_step(self) -> None:
         """Broadcasts replica 0's buffers where DistributedDataParallel would, before
         this step's forward (``buffers="broadcast"``)."""
-        if self._buffers == "broadcast" and self._broadcast_before_next_step:
+        if self._buffer_mode == "broadcast" and self._broadcast_before_next_step:
             self._built.extended.broadcast_buffers()
 
     def _after_step(self) -> None:
@@ -626,7 +626,7 @@ class LightningStrategy(_LightningParallelStrategy):
         with self._replica_context():
             output = super().training_step(*args, **kwargs)
             self._after_step()
-        if self._buffers == "mean":
+        if self._buffer_mode == "mean":
             self._built.extended.synchronize_buffers()
         return output
 

@@ -58,8 +58,7 @@ class StrategyExtended(abc.ABC):
     `one_replica_per_process`, `metric_sync` (``ts.metrics.sync``), `adopt`,
     `backward_replicas_outside_run`, `prepare_trainer_module` / `prepare_trainer_optimizer`
     / `broadcast_buffers` (a training loop the strategy does not run, Lightning's), and
-    the class method
-    `Strategy.build_for_trainer`. It never tests a strategy's class.
+    the class method `Strategy.build_for_trainer`. It never tests a strategy's class.
     """
 
     #: True where ``run`` traces the whole global batch at once (TPUStrategy): loss scaling
