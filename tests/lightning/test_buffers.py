@@ -204,7 +204,10 @@ def test_unknown_buffers_mode_is_refused_at_construction():
                        r"got 'sum'"):
         LightningStrategy(kind="mirrored", buffers="sum")
     assert LightningStrategy(kind="mirrored").buffers == "broadcast"
-    assert LightningStrategy(kind="mirrored", buffers="mean").buffers == "mean"
+    mean = LightningStrategy(kind="mirrored", buffers="mean")
+    assert mean.buffers == "mean"
+    assert repr(mean) == "LightningStrategy(kind='mirrored', start_method='popen', " \
+                         "buffers='mean')"
 
 
 if __name__ == "__main__":

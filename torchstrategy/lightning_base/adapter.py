@@ -754,6 +754,8 @@ class LightningStrategy(_LightningParallelStrategy):
     def __repr__(self) -> str:
         inner = repr(self._ts) if self._ts is not None else \
             f"kind={self._kind!r}, start_method={self._start_method!r}"
+        if self._buffer_mode != BUFFER_MODES[0]:
+            inner += f", buffers={self._buffer_mode!r}"
         return f"LightningStrategy({inner})"
 
 
