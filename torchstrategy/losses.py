@@ -154,7 +154,9 @@ class _AveragedGradient(torch.autograd.Function):
                 replicas: int) -> torch.Tensor:
         ctx.reducer = reducer
         ctx.replicas = replicas
-        return loss.view_as(loss)
+        # A new tensor, not a view: the caller may change it in place (``loss *= k``), as
+        # it could the ``loss / n`` this replaced.
+        return loss.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
