@@ -16,7 +16,10 @@ losses, the gradients and the weights:
   ``no_sync`` loop with ``loss / steps`` (DDP divides at the synchronising backward only);
 - a term added outside the mean loss, whose bucket is launched before the mean loss's
   backward asks to average (so it is divided after its sum): averaged, as DDP averages
-  every gradient.
+  every gradient;
+- gradients kept without ``zero_grad`` over synchronised and ``no_sync`` backward passes:
+  only the new gradients are averaged (DDP's sums to 1e-6: DDP averages what ``.grad``
+  holds, a different rounding order).
 
 CentralStorageStrategy's replica threads and ShardedStrategy (FSDP2) divide the loss's
 gradient instead: the value logged is still the mean loss, the gradients the average (to
@@ -24,6 +27,7 @@ rounding).
 
 Everything is compared for exact equality (NaN as NaN on both sides).
 """
+import contextlib
 import math
 
 import pytest
@@ -188,6 +192,24 @@ def extra_term_training(strategy, rank):
     return log
 
 
+def gradients_kept_between_backwards(strategy, rank):
+    """No zero_grad: two synchronised backward passes, then a no_sync one and a synchronised
+    one; DDP averages what ``.grad`` holds, the reducer only the new gradients (the same
+    sums, rounded in another order)."""
+    ddp, _, model, _ = pair(strategy, torch.optim.SGD, lr=0.1)
+    log = {}
+    for index, (x, y) in enumerate(local_batches(4, rank, seed=7)):
+        local = index == 2
+        with ddp.no_sync() if local else contextlib.nullcontext():
+            F.cross_entropy(ddp(x), y).backward()
+        with strategy.extended.no_sync() if local else contextlib.nullcontext():
+            ts.scale_mean_loss(F.cross_entropy(model(x), y)).backward()
+        if not local:
+            log.setdefault("ddp", []).append(grads_of(ddp.module))
+            log.setdefault("ours", []).append(grads_of(model))
+    return log
+
+
 def _replica_checks():
     strategy = ts.MirroredStrategy()
     rank = strategy.extended.replica_id
@@ -200,6 +222,7 @@ def _replica_checks():
         "fp16_grad_scaler": fp16_training(strategy, rank),
         "accumulation": accumulated_training(strategy, rank),
         "extra_term": extra_term_training(strategy, rank),
+        "kept_gradients": gradients_kept_between_backwards(strategy, rank),
     }
     return from_every_replica(out)
 
@@ -333,3 +356,13 @@ def test_sharded_averages_and_logs_the_mean_loss():
         for key, want in log["ddp_final"].items():
             torch.testing.assert_close(log["ours_final"][key], want, atol=1e-6, rtol=0,
                                        msg=lambda m: f"replica {rank} {key}: {m}")
+
+
+def test_gradients_kept_between_backwards_are_averaged_once(replicas):
+    for rank, r in enumerate(replicas):
+        log = r["kept_gradients"]
+        assert len(log["ours"]) == len(log["ddp"]) == 3
+        for step, (ours, ddp) in enumerate(zip(log["ours"], log["ddp"])):
+            for name in ddp:
+                torch.testing.assert_close(ours[name], ddp[name], atol=1e-6, rtol=0,
+                                           msg=lambda m: f"replica {rank} {step} {name}: {m}")
