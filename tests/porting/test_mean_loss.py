@@ -25,7 +25,10 @@ CentralStorageStrategy's replica threads and ShardedStrategy (FSDP2) divide the 
 gradient instead: the value logged is still the mean loss, the gradients the average (to
 rounding).
 
-Everything is compared for exact equality (NaN as NaN on both sides).
+Where no tolerance is named, the comparison is exact equality (NaN as NaN on both sides).
+The fp16 run starts from a small loss scale (2**-8) so that its fp16 gradients come near
+fp16's subnormal range: halving them inside the fp16 backward (the old ``loss / N``) then
+rounds differently, and the test tells the two orders apart.
 """
 import contextlib
 import math
