@@ -96,7 +96,8 @@ def test_lightning_port_logs_and_trains_as_ddp(tmp_path):
         program = PROGRAMS / "lightning_ddp.py" if kind == "ddp" else \
             ported_program("lightning_ddp.py", directory)
         output = torchrun(program, cwd=directory)
-        losses = re.findall(r"\[rank (\d)\] batch (\d+) loss (\S+?)(?=\[|$)", output, re.MULTILINE)
+        losses = re.findall(r"^\[rank (\d)\] batch (\d+) loss (\S+)$", output,
+                            re.MULTILINE)
         checkpoint = torch.load(directory / "final.ckpt", weights_only=False)
         runs[kind] = (sorted(losses), checkpoint)
     (ddp_losses, ddp_ckpt), (port_losses, port_ckpt) = runs["ddp"], runs["port"]

@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,18 +119,28 @@ def ported_program(name: str, directory: Path) -> Path:
 
 def torchrun(program: Path, *args: str, cwd: Path, nproc: int = 2) -> str:
     """Runs `program` as torchrun does (``--standalone``: a free port, so tests may run in
-    parallel) with `nproc` processes on this machine, in `cwd`; returns its output, stdout
-    then stderr. A failure is an AssertionError carrying the output's tail."""
+    parallel) with `nproc` processes on this machine, in `cwd`; returns what the processes
+    printed, each process's whole stdout in rank order (torchrun redirects them to files,
+    so the lines of two processes never cut each other). A failure is an AssertionError
+    carrying every process's output."""
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPOSITORY), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"     # the replicas share the machine's cores
+    logs = Path(tempfile.mkdtemp(prefix="torchrun-logs-", dir=cwd))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", str(program), *args]
+               f"--nproc-per-node={nproc}", f"--log-dir={logs}", "--redirects=3",
+               str(program), *args]
     done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_SECONDS)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, f"{program.name} {' '.join(args)} failed:\n{output[-6000:]}"
-    return done.stdout
+    per_rank = {int(path.parent.name): path.parent for path in logs.rglob("stdout.log")}
+    outputs = [(per_rank[rank] / "stdout.log").read_text() for rank in sorted(per_rank)]
+    if done.returncode != 0 or len(outputs) != nproc:
+        errors = "".join(f"-- rank {rank} --\n{(per_rank[rank] / 'stdout.log').read_text()}"
+                         f"{(per_rank[rank] / 'stderr.log').read_text()[-4000:]}"
+                         for rank in sorted(per_rank))
+        raise AssertionError(f"{program.name} {' '.join(args)} failed:\n{errors}\n"
+                             f"-- torchrun --\n{(done.stdout + done.stderr)[-3000:]}")
+    return "".join(outputs)
 
 
 def without_prefix(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
