@@ -11,6 +11,9 @@ csrc/compat.h.
 """
 from __future__ import annotations
 
+import gc
+import sys
+import types
 from typing import Any, Callable
 
 import torch
@@ -48,6 +51,79 @@ def default_store() -> dist.Store | None:
         return dist.distributed_c10d._get_default_store()
     except (RuntimeError, ValueError):  # no default group (yet, or any more)
         return None
+
+
+def release_group_from_functional_defaults(group: dist.ProcessGroup) -> int:
+    """Makes `torch.distributed.nn.functional` let go of `group`; returns how many default
+    arguments held it.
+
+    That module writes ``group=group.WORLD`` as the default argument of its ten
+    collectives, evaluated when it is imported. torch imports it lazily (``torch._dynamo``
+    pulls it in, e.g. at the first ``torch.optim`` optimizer): imported while a default
+    group exists, its functions hold that group object for the rest of the process, so
+    ``destroy_process_group`` frees neither the group nor gloo's threads, and the group is
+    destroyed in the interpreter's teardown instead, where gloo's threads abort the process
+    ("terminate called without an active exception"). Those defaults are replaced by None,
+    which these functions read as "the default group", as the module meant. Nothing is
+    imported here: a module not loaded yet holds nothing. Checked against torch 2.4 - 2.13.
+    """
+    module = sys.modules.get("torch.distributed.nn.functional")
+    if module is None:
+        return 0
+    replaced = 0
+    for function in list(vars(module).values()):
+        defaults = getattr(function, "__defaults__", None)
+        if not isinstance(function, types.FunctionType) or not defaults:
+            continue
+        held = sum(value is group for value in defaults)
+        if held:
+            function.__defaults__ = tuple(None if value is group else value
+                                          for value in defaults)
+            replaced += held
+    return replaced
+
+
+def live_process_groups() -> list[dist.ProcessGroup]:
+    """Every process group torch.distributed knows in this process (the default one and
+    every sub-group, DeviceMesh's included). `_world.pg_map` is the only list of them."""
+    return list(dist.distributed_c10d._world.pg_map)
+
+
+def release_groups_from_device_meshes(groups: list[dist.ProcessGroup]) -> int:
+    """Makes every live DeviceMesh and FSDP2 mesh description let go of `groups` (about
+    to be destroyed); returns how many references it dropped.
+
+    A DeviceMesh keeps its groups' objects in ``_pg_registry`` and FSDP2 keeps them in its
+    mesh infos (``shard_process_group``, ``replicate_process_group``, ...); both live as
+    long as the model's DTensor parameters, typically into the interpreter's teardown,
+    and so would the groups and gloo's threads after ``destroy_process_group``. The
+    objects are found with the garbage collector's list; modules not loaded hold nothing
+    (nothing is imported here). A mesh or FSDP2 module released this way cannot run a
+    collective any more, which a destroyed group could not either. Checked against torch
+    2.6 - 2.13 (DeviceMesh's registry exists from 2.6; before, nothing is found).
+    """
+    targets = {id(group) for group in groups}
+    mesh_module = sys.modules.get("torch.distributed.device_mesh")
+    fsdp_module = sys.modules.get("torch.distributed.fsdp._fully_shard._fsdp_common")
+    mesh_type = getattr(mesh_module, "DeviceMesh", None)
+    info_type = getattr(fsdp_module, "DataParallelMeshInfo", None)
+    kinds = tuple(kind for kind in (mesh_type, info_type) if isinstance(kind, type))
+    if not targets or not kinds:
+        return 0
+    released = 0
+    for obj in gc.get_objects():
+        if not isinstance(obj, kinds):
+            continue
+        registry = getattr(obj, "_pg_registry", None)
+        if isinstance(registry, dict):
+            for name in [name for name, group in registry.items() if id(group) in targets]:
+                del registry[name]
+                released += 1
+        for attribute, value in list(getattr(obj, "__dict__", {}).items()):
+            if attribute.endswith("process_group") and id(value) in targets:
+                setattr(obj, attribute, None)
+                released += 1
+    return released
 
 
 # -- tensors (torch 2.4 - 2.13) ------------------------------------------------------

@@ -182,11 +182,22 @@ class Runtime:
 
     def release_process_group(self) -> None:
         """Destroys the default process group if there is one (idempotent), once the backend
-        has let go of every buffer our collectives gave it and no reducer references it."""
+        has let go of every buffer our collectives gave it and no reducer references it.
+
+        Destroyed means freed, with gloo's threads joined, here, while the interpreter is
+        whole: torch's own references are dropped by ``destroy_process_group``, the
+        reducers' by closing them, and the one ``torch.distributed.nn.functional`` keeps in
+        its default arguments by `_compat.release_group_from_functional_defaults`. A group
+        that outlived this into the interpreter's teardown was the cause of the occasional
+        abort at exit ("terminate called without an active exception", docs/
+        troubleshooting.md)."""
         self.wait_until_released()
         for reducer in list(self._reducers):
             reducer.close()
         if dist.is_initialized():
+            # The last references are then torch's own: destroying the groups frees them.
+            _compat.release_group_from_functional_defaults(_compat.default_process_group())
+            _compat.release_groups_from_device_meshes(_compat.live_process_groups())
             dist.destroy_process_group()
         self._store = None
 
