@@ -112,7 +112,9 @@ def release_groups_from_device_meshes(groups: list[dist.ProcessGroup]) -> int:
         return 0
     released = 0
     for obj in gc.get_objects():
-        if not isinstance(obj, kinds):
+        # The classes' MROs, not isinstance: DeviceMesh's metaclass runs an __instancecheck__
+        # that touches the object (and warns on some of torch's own).
+        if not any(kind in type(obj).__mro__ for kind in kinds):
             continue
         registry = getattr(obj, "_pg_registry", None)
         if isinstance(registry, dict):

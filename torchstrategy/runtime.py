@@ -186,11 +186,12 @@ class Runtime:
 
         Destroyed means freed, with gloo's threads joined, here, while the interpreter is
         whole: torch's own references are dropped by ``destroy_process_group``, the
-        reducers' by closing them, and the one ``torch.distributed.nn.functional`` keeps in
-        its default arguments by `_compat.release_group_from_functional_defaults`. A group
-        that outlived this into the interpreter's teardown was the cause of the occasional
-        abort at exit ("terminate called without an active exception", docs/
-        troubleshooting.md)."""
+        reducers' by closing them, the one ``torch.distributed.nn.functional`` keeps in
+        its default arguments by `_compat.release_group_from_functional_defaults`, and
+        those of DeviceMesh and FSDP2 by `_compat.release_groups_from_device_meshes`.
+        Otherwise the group and its threads outlive this into the interpreter's teardown,
+        where they can abort the process ("terminate called without an active
+        exception", docs/troubleshooting.md)."""
         self.wait_until_released()
         for reducer in list(self._reducers):
             reducer.close()
