@@ -12,8 +12,11 @@ cycle through every combination of
 
 For every job the script records the launcher's exit code, whether a replica printed
 "terminate called" (std::terminate: the abort at exit this script was written to find),
-the processes of the job still alive after it ended, and the /tmp/pymp-* directories and
-/dev/shm entries that appeared while it ran and are still there. Every job has a directory
+how many replicas still had gloo's threads (a process group) after the runtime's
+shutdown, that is at the interpreter's teardown ("alive"; ts.launch's replicas end with
+os._exit after ts.launch released their group and are not counted), the processes of the
+job still alive after it ended, and the /tmp/pymp-* directories and the /dev/shm entries
+that appeared while it ran and that no process uses any more. Every job has a directory
 of its own (TMPDIR points into it), a timeout (``--timeout``), and the whole run stops
 after ``--budget`` seconds. A table summarises the counts at the end; the exit status is 0
 only if every job exited 0 with nothing left behind.
@@ -33,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHES = ("reexec", "torchrun", "ts.launch")
@@ -41,7 +45,9 @@ STEPS = 4
 
 
 # -- the job ------------------------------------------------------------------------------
-def _make_strategy(kind: str, launch: str):  # noqa: ANN202 (script-local)
+# torch and torchstrategy are imported by the job's functions only: the driver, which runs
+# for the whole stress run, stays a small process that imports neither.
+def _make_strategy(kind: str, launch: str) -> Any:
     import torchstrategy as ts
     devices = ["cpu:0", "cpu:1"] if launch == "reexec" else None
     if kind == "mirrored":
@@ -223,6 +229,7 @@ def launch_job(launch: str, kind: str, handler: bool, job_dir: str,
         process = subprocess.Popen(command, env=env, cwd=job_dir, stdout=output,
                                    stderr=subprocess.STDOUT, start_new_session=True,
                                    preexec_fn=_allow_core_dumps if cores else None)
+        code: int | str
         try:
             code = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
