@@ -30,6 +30,7 @@ import collections
 import glob
 import itertools
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -250,13 +251,18 @@ def launch_job(launch: str, kind: str, handler: bool, job_dir: str,
         except OSError:
             pass
     files = _orphans(sorted(_snapshot() - before))
+    if files:
+        # another program's short-lived semaphores (created and unlinked by their owner)
+        # are gone a moment later; a leftover stays
+        time.sleep(2.0)
+        files = _orphans(files)
     # pymp-* inside the job's own TMPDIR count too: they outlived the job.
     files += sorted(glob.glob(os.path.join(job_dir, "pymp-*")))
     with open(os.path.join(job_dir, "output.txt"), errors="replace") as f:
         text = f.read()
     # replicas (one line each) whose process group outlived the runtime's shutdown
-    reports = [int(line.split(ALIVE_MARK, 1)[1].split()[0])
-               for line in text.splitlines() if ALIVE_MARK in line]
+    # (two replicas' lines can interleave on the shared output: search, do not split)
+    reports = [int(count) for count in re.findall(re.escape(ALIVE_MARK) + r" (\d+)", text)]
     return {"code": code, "terminate": "terminate called" in text,
             "group_alive": sum(count > 0 for count in reports), "reports": len(reports),
             "processes": leftovers,
