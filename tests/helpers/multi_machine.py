@@ -33,7 +33,8 @@ def clean_env(**extra):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                  "MASTER_PORT", "GROUP_RANK", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
                  "TORCHELASTIC_RESTART_COUNT", "TORCHSTRATEGY_LAUNCHER", "TF_CONFIG",
-                 "TORCHSTRATEGY_PARENT_PID"):
+                 "TORCHSTRATEGY_PARENT_PID", "ROLE_RANK", "ROLE_WORLD_SIZE",
+                 "TORCHSTRATEGY_PUBLISHED_WORLD"):
         env.pop(name, None)
     env.setdefault("TORCHSTRATEGY_TIMEOUT_SECONDS", "60")
     # The "machines" share this one's cores: one thread per replica, as torchrun sets.

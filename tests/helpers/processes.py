@@ -6,7 +6,8 @@ import time
 # so the program does not think it was launched (the suite itself may run under one).
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                        "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHSTRATEGY_LAUNCHER",
-                       "TORCHSTRATEGY_PARENT_PID", "GROUP_RANK", "GROUP_WORLD_SIZE")
+                       "TORCHSTRATEGY_PARENT_PID", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                       "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHSTRATEGY_PUBLISHED_WORLD")
 
 
 def plain_environment(timeout_seconds=60):
