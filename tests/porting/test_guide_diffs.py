@@ -14,6 +14,7 @@ import re
 import pytest
 import torch
 
+from tests.porting.programs import harness as harness_lib
 from tests.porting.programs.harness import (
     PROGRAMS, apply_diff, assert_identical, guide_diffs, parse_diff, ported_program, torchrun)
 
@@ -55,7 +56,7 @@ def test_ddp_tutorial_port_resumes_and_equals_ddp(tmp_path):
         torch.save(snapshot, directory / "snapshot.pt")
         program = PROGRAMS / "multigpu_torchrun.py" if kind == "ddp" else \
             ported_program("multigpu_torchrun.py", directory)
-        output = torchrun(program, "3", "1", cwd=directory)
+        output = torchrun(program, "3", "1", cwd=directory, reference=kind == "ddp")
         runs[kind] = (output, torch.load(directory / "snapshot.pt"))
     (ddp_out, ddp_snap), (port_out, port_snap) = runs["ddp"], runs["port"]
     losses = re.findall(r"\[GPU(\d)\] Epoch (\d) \| Losses: (\[[^\]]*\])", ddp_out)
@@ -75,7 +76,7 @@ def test_nanogpt_port_logs_and_trains_as_ddp(tmp_path):
         directory.mkdir()
         program = PROGRAMS / "nanogpt_train.py" if kind == "ddp" else \
             ported_program("nanogpt_train.py", directory)
-        output = torchrun(program, cwd=directory)
+        output = torchrun(program, cwd=directory, reference=kind == "ddp")
         runs[kind] = (output, torch.load(directory / "out" / "ckpt.pt"))
     (ddp_out, ddp_ckpt), (port_out, port_ckpt) = runs["ddp"], runs["port"]
     assert re.findall(r"^iter \d+: loss .*$", ddp_out, re.MULTILINE)
@@ -95,7 +96,7 @@ def test_lightning_port_logs_and_trains_as_ddp(tmp_path):
         directory.mkdir()
         program = PROGRAMS / "lightning_ddp.py" if kind == "ddp" else \
             ported_program("lightning_ddp.py", directory)
-        output = torchrun(program, cwd=directory)
+        output = torchrun(program, cwd=directory, reference=kind == "ddp")
         losses = re.findall(r"^\[rank (\d)\] batch (\d+) loss (\S+)$", output,
                             re.MULTILINE)
         checkpoint = torch.load(directory / "final.ckpt", weights_only=False)
@@ -105,3 +106,14 @@ def test_lightning_port_logs_and_trains_as_ddp(tmp_path):
     assert port_losses == ddp_losses
     assert port_ckpt["global_step"] == ddp_ckpt["global_step"] == 6
     assert_identical(port_ckpt["state_dict"], ddp_ckpt["state_dict"], "Lightning weights")
+
+
+def test_only_torchs_abort_at_exit_is_tolerated_and_only_in_a_reference_run(tmp_path):
+    for rank, stderr in ((0, f"...\n{harness_lib.TORCH_EXIT_ABORT}\n"), (1, "")):
+        (tmp_path / str(rank)).mkdir()
+        (tmp_path / str(rank) / "stderr.log").write_text(stderr)
+    per_rank = {0: tmp_path / "0", 1: tmp_path / "1"}
+    assert harness_lib._aborted_at_exit_only(-6, per_rank)
+    assert not harness_lib._aborted_at_exit_only(0, per_rank)        # nothing failed
+    (tmp_path / "0" / "stderr.log").write_text("Traceback ...\nRuntimeError: boom\n")
+    assert not harness_lib._aborted_at_exit_only(1, per_rank)        # a real failure

@@ -43,9 +43,11 @@ def mingpt_runs(tmp_path_factory):
     runs = {}
     for kind, program in (("ddp", "mingpt_ddp.py"), ("port", "mingpt_ddp_ported.py")):
         directory = tmp_path_factory.mktemp(kind)
-        first = torchrun(PROGRAMS / program, "--max_epochs=1", cwd=directory)
+        first = torchrun(PROGRAMS / program, "--max_epochs=1", cwd=directory,
+                        reference=kind == "ddp")
         first_snapshot = torch.load(directory / "snapshot.pt")
-        resumed = torchrun(PROGRAMS / program, "--max_epochs=2", "--use_amp=True", cwd=directory)
+        resumed = torchrun(PROGRAMS / program, "--max_epochs=2", "--use_amp=True", cwd=directory,
+                           reference=kind == "ddp")
         runs[kind] = {"fp32": (first, first_snapshot),
                       "fp16_resumed": (resumed, torch.load(directory / "snapshot.pt"))}
     return runs
@@ -93,12 +95,12 @@ FSDP2_LOSS_LINE = re.compile(r"^\[rank (\d)\] step (\d+) loss (\S+)$", re.MULTIL
 @pytest.fixture(scope="module")
 def fsdp2_runs(tmp_path_factory):
     fresh = tmp_path_factory.mktemp("fsdp2_fresh")
-    torchrun(PROGRAMS / "fsdp2_example.py", cwd=fresh)
+    torchrun(PROGRAMS / "fsdp2_example.py", cwd=fresh, reference=True)
     runs = {}
     for kind, program in (("fsdp2", "fsdp2_example.py"), ("port", "fsdp2_example_ported.py")):
         directory = tmp_path_factory.mktemp(kind)
         shutil.copytree(fresh / "checkpoints", directory / "checkpoints")
-        output = torchrun(PROGRAMS / program, cwd=directory)
+        output = torchrun(PROGRAMS / program, cwd=directory, reference=kind == "fsdp2")
         last = directory / "checkpoints" / "last"
         runs[kind] = (output, torch.load(last / "model_state_dict.pt"),
                       torch.load(last / "optim_state_dict.pt"))

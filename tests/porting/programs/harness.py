@@ -117,12 +117,36 @@ def ported_program(name: str, directory: Path) -> Path:
     return path
 
 
-def torchrun(program: Path, *args: str, cwd: Path, nproc: int = 2) -> str:
+# What libstdc++ prints when a thread-owning C++ object (gloo's) dies during interpreter
+# teardown: plain torch.distributed programs end so about once in 30 launches, after their
+# work (torch.distributed.nn.functional keeps the default group in its defaults past
+# destroy_process_group; see docs/troubleshooting.md). torchstrategy's runtime frees the
+# group before teardown; torch's own DDP/FSDP2 programs cannot.
+TORCH_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _aborted_at_exit_only(returncode: int, per_rank: dict[int, Path]) -> bool:
+    """True when the run failed only because a replica aborted with `TORCH_EXIT_ABORT`
+    (SIGABRT) and torchrun then stopped the others (SIGTERM): every aborting replica says
+    so on stderr. What it wrote is still checked by the caller, so an abort before the end
+    of the work fails there."""
+    aborted = [rank for rank, log in per_rank.items()
+               if TORCH_EXIT_ABORT in (log / "stderr.log").read_text()]
+    return returncode != 0 and bool(aborted)
+
+
+def torchrun(program: Path, *args: str, cwd: Path, nproc: int = 2,
+             reference: bool = False) -> str:
     """Runs `program` as torchrun does (``--standalone``: a free port, so tests may run in
     parallel) with `nproc` processes on this machine, in `cwd`; returns what the processes
     printed, each process's whole stdout in rank order (torchrun redirects them to files,
     so the lines of two processes never cut each other). A failure is an AssertionError
-    carrying every process's output."""
+    carrying every process's output.
+
+    `reference`: `program` is a plain torch original (DDP, FSDP2) run only to compare
+    against: torch's own abort at interpreter exit (`TORCH_EXIT_ABORT`) is then reported
+    on stderr and tolerated, since its outputs are compared whole afterwards. A port (the
+    library's code) gets no such allowance."""
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPOSITORY), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"     # the replicas share the machine's cores
@@ -134,6 +158,11 @@ def torchrun(program: Path, *args: str, cwd: Path, nproc: int = 2) -> str:
                           timeout=RUN_TIMEOUT_SECONDS)
     per_rank = {int(path.parent.name): path.parent for path in logs.rglob("stdout.log")}
     outputs = [(per_rank[rank] / "stdout.log").read_text() for rank in sorted(per_rank)]
+    if reference and len(outputs) == nproc and _aborted_at_exit_only(done.returncode,
+                                                                       per_rank):
+        print(f"{program.name}: torch's abort at exit in the reference run "
+              f"({TORCH_EXIT_ABORT!r}); its outputs are compared as usual", file=sys.stderr)
+        return "".join(outputs)
     if done.returncode != 0 or len(outputs) != nproc:
         errors = "".join(f"-- rank {rank} --\n{(per_rank[rank] / 'stdout.log').read_text()}"
                          f"{(per_rank[rank] / 'stderr.log').read_text()[-4000:]}"
