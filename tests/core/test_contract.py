@@ -372,7 +372,9 @@ def test_a_strategy_defined_outside_the_library_works_everywhere(tmp_path):
     # PreemptionCheckpointHandler: saved once at the agreed step, restored exactly.
     exits, was_restored, run_calls, preempted_model, preempted_optimizer = out["preemption"]
     assert exits == ["exit"] and was_restored
-    assert 1 <= run_calls <= PREEMPTION_STEPS
+    # SIGTERM reaches replica 0 (its Python handler runs in the main thread) before its
+    # second run, with 1 step finished: it claims "save after step 2" (c + 1).
+    assert run_calls == 2
     step = CUSTOM_STEPS + run_calls
     assert_same_tensors(preempted_model, weights[step], **TOLERANCE, what="preemption")
     _assert_same_optimizer_state(preempted_optimizer, states[step], "preemption")
