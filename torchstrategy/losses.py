@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from torchstrategy import context, ownership
-from torchstrategy.collectives.reducer import GradientReducer, reducer_for
+from torchstrategy.collectives.reducer import GradientReducer
 from torchstrategy.reduce_op import ReduceOp
 
 
@@ -140,7 +140,7 @@ def scale_mean_loss(loss: torch.Tensor | float) -> torch.Tensor:
     replicas = _num_replicas()
     if replicas == 1:
         return loss
-    reducer = reducer_for(_summing_strategy().extended.communicator)
+    reducer = _summing_strategy().extended.gradient_reducer
     return _AveragedGradient.apply(loss, reducer, replicas)
 
 

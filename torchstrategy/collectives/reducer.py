@@ -64,7 +64,6 @@ import weakref
 from typing import Any, Iterable, Iterator
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from torchstrategy import _compat, _ops, module_state, runtime
 from torchstrategy.collectives.communicator import Communicator, explained_failures
@@ -86,21 +85,6 @@ def _process_group_for_cpp(cross_device_ops: CrossDeviceOps,
     return group if group is not None else _compat.default_process_group()
 
 
-def _reducers() -> WeakIdKeyDictionary:
-    """This process's reducers (weakly) by the communicator they reduce over."""
-    return runtime.current().state("torchstrategy.collectives.reducer.by_communicator",
-                                    WeakIdKeyDictionary)
-
-
-def reducer_for(communicator: object) -> GradientReducer | None:
-    """The open `GradientReducer` reducing gradients over `communicator` (a strategy's
-    ``extended.communicator``), or None: that strategy reduces gradients another way, or
-    has one replica."""
-    found = _reducers().get(communicator)
-    reducer = found() if found is not None else None
-    return reducer if reducer is not None and reducer._core is not None else None
-
-
 class GradientReducer:
     """Sums the gradients of the registered parameters across replicas during backward.
 
@@ -119,7 +103,6 @@ class GradientReducer:
             raise ValueError(f"bucket_cap_bytes must be positive, got {bucket_cap_bytes}.")
         self._comm = communicator
         runtime.current().track_reducer(self)
-        _reducers()[communicator] = weakref.ref(self)
         self._cap = int(bucket_cap_bytes)
         self._params: list[torch.Tensor] = []          # registration order
         # param -> its registration index, by identity (the parameters are kept alive, so

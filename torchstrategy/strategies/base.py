@@ -26,6 +26,7 @@ from torchstrategy import ownership
 from torchstrategy.cluster_resolver import ClusterResolver
 from torchstrategy.collectives.communicator import Communicator
 from torchstrategy.collectives.cross_device_ops import CrossDeviceOps
+from torchstrategy.collectives.reducer import GradientReducer
 from torchstrategy.collectives.stats import ReductionStats
 from torchstrategy.communication_options import CommunicationOptions
 from torchstrategy.input.contexts import InputContext, InputOptions, ValueContext
@@ -477,6 +478,13 @@ class StrategyExtended(abc.ABC):
         """What the gradient reduction did in the last synchronised ``backward()``, as a
         `ReductionStats`; all zeros where nothing is communicated."""
         return ReductionStats(num_parameters=0)
+
+    @property
+    def gradient_reducer(self) -> GradientReducer | None:
+        """The `GradientReducer` that sums gradients over processes during ``backward()``,
+        or None where gradients are reduced another way (replica threads, FSDP2) or not at
+        all. ``ts.scale_mean_loss`` asks it to average a backward as DDP does."""
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
