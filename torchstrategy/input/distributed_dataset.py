@@ -27,6 +27,7 @@ step.
 """
 from __future__ import annotations
 
+import abc
 import collections
 import collections.abc
 import itertools
@@ -338,7 +339,7 @@ def lookahead(items: Iterable[_T], depth: int) -> Iterator[_T]:
         yield buffer.popleft()
 
 
-class ReducibleInput:
+class ReducibleInput(abc.ABC):
     """What every distributed input has: ``reduce(initial_state, reduce_fn)`` over its
     steps and ``element_spec``. Subclasses keep the iterable they draw batches from in
     `_dataset` and iterate it through `_draw()`."""
@@ -349,8 +350,9 @@ class ReducibleInput:
     _held: list[Any] | None = None
     _spec: tuple[Any] | None = None
 
+    @abc.abstractmethod
     def __iter__(self) -> DistributedIterator:
-        raise NotImplementedError("subclasses iterate their steps")
+        """A new iterator over this input's steps (each subclass draws its own way)."""
 
     @property
     def element_spec(self) -> Any:
