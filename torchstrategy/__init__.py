@@ -46,6 +46,7 @@ from torchstrategy.strategies.central_storage import CentralStorageStrategy
 from torchstrategy.strategies.mirrored import MirroredStrategy
 from torchstrategy.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from torchstrategy.strategies.one_device import OneDeviceStrategy
+from torchstrategy.strategies.sharding.training import clip_grad_norm_
 from torchstrategy.strategies.tpu import TPUStrategy  # imports torch_xla only when made
 from torchstrategy.values import DistributedValues, Mirrored, PerReplica
 from torchstrategy.variables import (MirroredVariable, SyncOnReadVariable, Variable,
@@ -119,6 +120,7 @@ __all__ = [  # one name a line, sorted: adding a name touches one line
     "VariableSynchronization",
     "accumulate",
     "checkpoint",
+    "clip_grad_norm_",
     "cluster_resolver",
     "compute_average_loss",
     "experimental_set_strategy",

@@ -38,7 +38,7 @@ from torchstrategy.communication_options import CommunicationOptions
 from torchstrategy.launch import world as world_lib
 from torchstrategy.strategies.base import (Strategy, check_trainer_replicas, logger,
                                           trainer_device_names)
-from torchstrategy.strategies.sharding import plan, state
+from torchstrategy.strategies.sharding import plan, state, training
 from torchstrategy.strategies.spmd import SPMDExtended
 from torchstrategy.strategies.startup import start_replica_process
 from torchstrategy.variables import Variable
@@ -74,6 +74,8 @@ class ShardedExtended(SPMDExtended):
         replicate x shard).
       shard_modules: `plan.check_shard_modules`'s result (None: the default policy).
       fsdp_kwargs: ``fully_shard``'s keyword arguments (mesh included).
+      activation_checkpointing: recompute each unit's forward in backward (every unit
+        but the model itself; `training.checkpoint_activations`).
     """
 
     shards_parameters = True
@@ -82,12 +84,14 @@ class ShardedExtended(SPMDExtended):
 
     def __init__(self, container: Strategy, communicator: Communicator,
                  torch_device: torch.device, mesh: DeviceMesh,
-                 shard_modules: Sequence[Any] | None, fsdp_kwargs: dict[str, Any]) -> None:
+                 shard_modules: Sequence[Any] | None, fsdp_kwargs: dict[str, Any],
+                 activation_checkpointing: bool = False) -> None:
         # FSDP2 reduces the gradients; a mirrored reducer would sum them again.
         super().__init__(container, communicator, torch_device, reduce_gradients=False)
         self._mesh = mesh
         self._shard_modules = shard_modules
         self._fsdp_kwargs = fsdp_kwargs
+        self._activation_checkpointing = activation_checkpointing
         # Weak references to the modules that registered a parameter, and to the models
         # sharded so far (in order).
         self._owners: list[weakref.ref[torch.nn.Module]] = []
@@ -207,6 +211,14 @@ class ShardedExtended(SPMDExtended):
 
     def _shard(self, root: torch.nn.Module, units: list[torch.nn.Module]) -> None:
         before = dict(root.named_parameters())
+        if self._activation_checkpointing:
+            if not units:
+                raise ValueError(
+                    f"ShardedStrategy(activation_checkpointing=True): {type(root).__name__} "
+                    "has no unit but itself to checkpoint (no repeated blocks). Name its "
+                    "blocks with shard_modules=[...], or leave activation_checkpointing off.")
+            for unit in units:
+                training.checkpoint_activations(unit)
         sharded: list[FSDPModule] = []
         for unit in units + [root]:
             sharded.append(fully_shard(unit, **self._fsdp_kwargs))
@@ -428,6 +440,10 @@ class ShardedStrategy(Strategy):
       shard_group_size: None: shard over all replicas. k: hybrid sharding, shard within
         groups of k consecutive replicas (give the replicas per machine) and replicate
         across the groups (a 2-D device mesh).
+      activation_checkpointing: True to keep only the inputs of each unit but the model
+        itself (each repeated block by default), none of its activations: backward
+        recomputes the unit's forward (``torch.utils.checkpoint``, non-reentrant;
+        gradients unchanged).
       cluster_resolver / communication_options: as for MultiWorkerMirroredStrategy
         (``implementation`` and ``timeout_seconds`` are honoured; ``bytes_per_pack`` and
         ``compression`` are refused: FSDP2 communicates per unit).
@@ -439,7 +455,7 @@ class ShardedStrategy(Strategy):
     def __init__(self, devices: Sequence[str | torch.device] | None = None, *,
                  shard_modules: Sequence[Any] | None = None, mixed_precision: Any = None,
                  reshard_after_forward: bool | int | None = None, cpu_offload: Any = False,
-                 shard_group_size: int | None = None,
+                 shard_group_size: int | None = None, activation_checkpointing: bool = False,
                  cluster_resolver: ClusterResolver | None = None,
                  communication_options: CommunicationOptions | None = None) -> None:
         shard_modules = plan.check_shard_modules(shard_modules)
@@ -451,6 +467,9 @@ class ShardedStrategy(Strategy):
             raise ValueError(f"ShardedStrategy(shard_group_size={shard_group_size!r}): give a "
                              "positive int (the replicas per machine) or None.")
         plan.offload_policy(cpu_offload, "cpu")  # raises for what is not an option
+        if not isinstance(activation_checkpointing, bool):
+            raise TypeError(f"ShardedStrategy(activation_checkpointing="
+                            f"{activation_checkpointing!r}): give True or False.")
         options = communication_options if communication_options is not None \
             else CommunicationOptions()
         if not isinstance(options, CommunicationOptions):
@@ -481,7 +500,8 @@ class ShardedStrategy(Strategy):
                        "mp_policy": mp_policy,
                        "offload_policy": plan.offload_policy(cpu_offload, torch_device.type)}
         super().__init__(ShardedExtended(self, process.communicator, torch_device, mesh,
-                                         shard_modules, fsdp_kwargs))
+                                         shard_modules, fsdp_kwargs,
+                                         activation_checkpointing=activation_checkpointing))
         self._world = world
         self._resolver = resolver
         self._devices = process.device_names
