@@ -11,10 +11,14 @@ Two launches check everything:
   ``ts.clip_grad_norm_`` returns a plain tensor equal to one device's norm (rtol 1e-6) and
   clips every shard as one device does, where torch's own returns a DTensor;
   ``activation_checkpointing=True`` on a model with no unit to checkpoint is refused.
+- docs/sharded.md's "Porting from FSDP2" diff, applied to the FSDP2 example of
+  tests/porting/programs/, gives the port that tests/porting/test_real_programs.py runs
+  against it (the same code; the module docstrings aside).
 - 4 replicas in 2 groups of 2 (``shard_group_size=2``, hybrid sharding on a 2x2 mesh):
   training with gradient clipping every step equals one device (1e-5), and the norms are
   one device's.
 """
+import ast
 import copy
 
 import pytest
@@ -24,7 +28,9 @@ import torch.nn.functional as F
 
 import torchstrategy as ts
 from torchstrategy.strategies.sharding.training import checkpoint_activations
+from tests.helpers import ROOT
 from tests.helpers.replicas import launch
+from tests.porting.programs.harness import PROGRAMS, apply_diff, guide_diffs
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -287,3 +293,22 @@ def test_clip_grad_norm_of_plain_parameters_is_torchs():
 def test_bad_activation_checkpointing_is_refused_before_launching():
     with pytest.raises(TypeError, match=r"activation_checkpointing='yes'\): give True or False"):
         ts.ShardedStrategy(activation_checkpointing="yes")
+
+
+def code_without_docstring(text):
+    module = ast.parse(text)
+    if module.body and isinstance(module.body[0], ast.Expr) and \
+            isinstance(module.body[0].value, ast.Constant):
+        module.body = module.body[1:]
+    return ast.dump(module)
+
+
+def test_porting_diff_of_the_docs_gives_the_tested_fsdp2_port():
+    with open(f"{ROOT}/docs/sharded.md", encoding="utf-8") as f:
+        diffs = guide_diffs(f.read())
+    assert [d.name for d in diffs] == ["fsdp2_example.py"]
+    original = (PROGRAMS / "fsdp2_example.py").read_text()
+    ported = apply_diff(original, diffs[0])
+    assert "fully_shard(" not in ported and "init_process_group(" not in ported
+    assert code_without_docstring(ported) == \
+        code_without_docstring((PROGRAMS / "fsdp2_example_ported.py").read_text())
