@@ -11,6 +11,9 @@ Two launches check everything:
   ``ts.clip_grad_norm_`` returns a plain tensor equal to one device's norm (rtol 1e-6) and
   clips every shard as one device does, where torch's own returns a DTensor;
   ``activation_checkpointing=True`` on a model with no unit to checkpoint is refused.
+- In one process: a checkpointed block with dropout recomputes the forward's mask in
+  backward (random numbers drawn in between do not leak in) and gets keyword arguments:
+  gradients equal bit for bit; ``ts.clip_grad_norm_`` of plain parameters is torch's.
 - docs/sharded.md's "Porting from FSDP2" diff, applied to the FSDP2 example of
   tests/porting/programs/, gives the port that tests/porting/test_real_programs.py runs
   against it (the same code; the module docstrings aside).
@@ -312,3 +315,34 @@ def test_porting_diff_of_the_docs_gives_the_tested_fsdp2_port():
     assert "fully_shard(" not in ported and "init_process_group(" not in ported
     assert code_without_docstring(ported) == \
         code_without_docstring((PROGRAMS / "fsdp2_example_ported.py").read_text())
+
+
+class DropoutBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(WIDTH, 4 * WIDTH)
+        self.drop = nn.Dropout(0.5)
+        self.down = nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x, scale=1.0):
+        return x + scale * self.down(self.drop(F.gelu(self.up(x))))
+
+
+def test_checkpointed_dropout_recomputes_the_same_mask_and_gradients():
+    """Backward's recomputation sees the forward's random numbers (dropout's mask), and
+    keyword arguments reach the checkpointed forward: gradients equal, bit for bit."""
+    torch.manual_seed(SEED)
+    plain = DropoutBlock()
+    checkpointed = copy.deepcopy(plain)
+    checkpoint_activations(checkpointed)
+    x = torch.randn(4, SEQ, WIDTH)
+    grads = []
+    for block in (plain, checkpointed):
+        torch.manual_seed(SEED + 1)
+        out = block(x, scale=0.5)
+        torch.rand(8)  # draws between forward and backward: the recomputation must not see them
+        out.square().sum().backward()
+        grads.append([p.grad for p in block.parameters()])
+    assert grads[0][0].abs().sum() > 0
+    for p, q in zip(*grads):
+        torch.testing.assert_close(p, q, atol=0, rtol=0)
