@@ -5,6 +5,7 @@ CPU) as paired ratios over alternating rounds, and the memory each replica holds
     python scripts/bench_sharded.py                      # 2 CPU replicas (gloo)
     python scripts/bench_sharded.py --replicas 4 --width 512 --layers 8
     python scripts/bench_sharded.py --offload            # cpu_offload=False vs True
+    python scripts/bench_sharded.py --split              # + our step without run, theirs in run
     torchrun --nproc-per-node=8 scripts/bench_sharded.py # GPUs (NCCL)
 
 Both sides run in the same processes, on the same process group, with the same units
@@ -52,6 +53,10 @@ parser.add_argument("--seq", type=int, default=64)
 parser.add_argument("--batch", type=int, default=8, help="per replica")
 parser.add_argument("--steps", type=int, default=5, help="timed steps per side per round")
 parser.add_argument("--rounds", type=int, default=20, help="alternating rounds")
+parser.add_argument("--split", action="store_true",
+                    help="also time our model's step called without strategy.run and the "
+                    "hand-written step inside strategy.run (what run costs, what the "
+                    "model built in scope costs)")
 parser.add_argument("--offload", action="store_true",
                     help="report where cpu_offload=False / True keep the training state")
 
@@ -190,6 +195,11 @@ def bench(args):
 
     calls = {"ours": lambda: strategy.run(ours_step, args=(tokens, targets)),
              "by hand": lambda: hand_step(tokens, targets)}
+    models = {"ours": (ours, ours_optimizer), "by hand": (by_hand, hand_optimizer)}
+    if args.split:
+        calls["ours, no run"] = lambda: ours_step(tokens, targets)
+        calls["hand in run"] = lambda: strategy.run(hand_step, args=(tokens, targets))
+        models["ours, no run"], models["hand in run"] = models["ours"], models["by hand"]
     for call in calls.values():  # warm-up: lazy init, optimizer state, allocator
         call()
         call()
@@ -204,8 +214,7 @@ def bench(args):
             walls[name].append(wall / args.steps)
             cpus[name].append(cpu / args.steps)
             peaks[name] = max(peaks[name], peak or 0)
-    held = {"ours": held_bytes(ours, ours_optimizer),
-            "by hand": held_bytes(by_hand, hand_optimizer)}
+    held = {name: held_bytes(*models[name]) for name in calls}
     report = ext.communicator.gather_objects(
         {"walls": walls, "cpus": cpus, "peaks": peaks, "held": held})
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -224,21 +233,22 @@ def bench(args):
     print(f"{n} replica(s) on {device.type}, transformer {args.layers}x{args.width} "
           f"({parameters / 1e6:.1f}M parameters), batch {args.batch}x{args.seq} per "
           f"replica, {args.rounds} alternating rounds of {args.steps} steps per side")
-    print(f"{'':10s}{'step ms (median)':>18s}{'CPU ms / step':>15s}{'held MiB':>10s}"
+    print(f"{'':14s}{'step ms (median)':>18s}{'CPU ms / step':>15s}{'held MiB':>10s}"
           + (f"{'peak MiB':>10s}" if device.type == "cuda" else ""))
     for name in calls:
-        print(f"{name:10s}{statistics.median(wall[name]) * 1e3:18.1f}"
+        print(f"{name:14s}{statistics.median(wall[name]) * 1e3:18.1f}"
               f"{statistics.median(cpu[name]) * 1e3:15.1f}"
               f"{max(r['held'][name] for r in report) / 2**20:10.2f}"
               + (f"{max(r['peaks'][name] for r in report) / 2**20:10.1f}"
                  if device.type == "cuda" else ""))
-    for what, series in (("wall", wall), ("CPU", cpu)):
-        ratios = [a / b for a, b in zip(series["ours"], series["by hand"])]
-        q1, median, q3 = quartiles(ratios)
-        low, high = median_interval(ratios)
-        print(f"{what:4s} time ours / by hand, paired per round: median {median:.3f}, "
-              f"quartiles {q1:.3f} .. {q3:.3f}, median's 95% interval {low:.3f} .. "
-              f"{high:.3f} (target <= 1.05)")
+    for name in (name for name in calls if name != "by hand"):
+        for what, series in (("wall", wall), ("CPU", cpu)):
+            ratios = [a / b for a, b in zip(series[name], series["by hand"])]
+            q1, median, q3 = quartiles(ratios)
+            low, high = median_interval(ratios)
+            print(f"{what:4s} time {name} / by hand, paired per round: median {median:.3f}, "
+                  f"quartiles {q1:.3f} .. {q3:.3f}, median's 95% interval {low:.3f} .. "
+                  f"{high:.3f}" + (" (target <= 1.05)" if name == "ours" else ""))
     print(f"held per replica / MirroredStrategy's (16 B per parameter with Adam): "
           f"{max(r['held']['ours'] for r in report) / (16 * parameters):.3f}")
     if device.type != "cuda":
