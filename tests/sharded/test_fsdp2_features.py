@@ -10,7 +10,8 @@ Two launches check everything:
   (inductor) of the sharded model trains equal to eager (and to one device) to 1e-5;
   ``ts.clip_grad_norm_`` returns a plain tensor equal to one device's norm (rtol 1e-6) and
   clips every shard as one device does, where torch's own returns a DTensor;
-  ``activation_checkpointing=True`` on a model with no unit to checkpoint is refused.
+  ``activation_checkpointing=True`` on a model with no unit to checkpoint is refused (a
+  model without units built beside one with units is not).
 - In one process: a checkpointed block with dropout recomputes the forward's mask in
   backward (random numbers drawn in between do not leak in) and gets keyword arguments:
   gradients equal bit for bit; ``ts.clip_grad_norm_`` of plain parameters is torch's.
@@ -237,6 +238,13 @@ def two_replicas():
     results["torch_norm_type"] = type(torch_norm).__name__
     results["torch_norm_placements"] = [type(p).__name__ for p in torch_norm.placements]
 
+    # Models sharded together need one unit between them: a lone head beside them is fine.
+    together = ts.ShardedStrategy(activation_checkpointing=True)
+    with together.scope():
+        net, head = build(), nn.Linear(VOCAB, 2)
+    assert all("forward" in vars(block) for block in net.blocks)
+    assert "forward" not in vars(head) and "forward" not in vars(net)
+
     errors = {}
     try:
         with ts.ShardedStrategy(activation_checkpointing=True).scope():
@@ -270,7 +278,8 @@ def test_checkpointing_compile_and_clip_on_two_replicas():
     # What torch 2.13 gives, the reason for ts.clip_grad_norm_: a replicated DTensor.
     assert result["torch_norm"] == ("DTensor", ["Replicate"])
     assert "Net" not in result["errors"]["no_units"]
-    assert "Linear has no unit but itself to checkpoint" in result["errors"]["no_units"]
+    assert "Linear has no unit but the model itself to checkpoint" in \
+        result["errors"]["no_units"]
     assert "shard_modules=[...]" in result["errors"]["no_units"]
     assert "already has a forward of its own" in result["errors"]["twice"]
 

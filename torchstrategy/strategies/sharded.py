@@ -192,6 +192,15 @@ class ShardedExtended(SPMDExtended):
                     "the whole model inside one scope, before the scope exits and before the "
                     "first strategy.run.")
         plans = plan.plan_units(roots, self._shard_modules)
+        if self._activation_checkpointing and plans and not any(units for _, units in plans):
+            # Checked before any collective; models sharded together (a LightningModule's
+            # children) need one unit between them, a small head beside blocks is fine.
+            names = ", ".join(type(root).__name__ for root, _ in plans)
+            raise ValueError(
+                f"ShardedStrategy(activation_checkpointing=True): {names} "
+                f"{'has' if len(plans) == 1 else 'have'} no unit but the model itself to "
+                "checkpoint (no repeated blocks). Name the blocks with shard_modules=[...], "
+                "or leave activation_checkpointing off.")
         labelled: list[tuple[str, torch.Tensor]] = [
             (f"{type(root).__name__}.{name}", p)
             for root in roots for name, p in root.named_parameters()]
@@ -212,11 +221,6 @@ class ShardedExtended(SPMDExtended):
     def _shard(self, root: torch.nn.Module, units: list[torch.nn.Module]) -> None:
         before = dict(root.named_parameters())
         if self._activation_checkpointing:
-            if not units:
-                raise ValueError(
-                    f"ShardedStrategy(activation_checkpointing=True): {type(root).__name__} "
-                    "has no unit but itself to checkpoint (no repeated blocks). Name its "
-                    "blocks with shard_modules=[...], or leave activation_checkpointing off.")
             for unit in units:
                 training.checkpoint_activations(unit)
         sharded: list[FSDPModule] = []
