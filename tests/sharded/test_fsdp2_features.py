@@ -10,7 +10,10 @@ Two launches check everything:
   (inductor) of the sharded model trains equal to eager (and to one device) to 1e-5;
   ``ts.clip_grad_norm_`` returns a plain tensor equal to one device's norm (rtol 1e-6) and
   clips every shard as one device does, where torch's own returns a DTensor;
-  ``activation_checkpointing=True`` on a model with no unit to checkpoint is refused (a
+  ``ts.accumulate`` over two micro-batches in an FSDP2-style loop outside ``run``
+  (``micro.scale_mean_loss`` of each replica's mean loss) gives one device's whole-batch
+  gradient (1e-6); ``activation_checkpointing=True`` on a model with no unit to
+  checkpoint is refused (a
   model without units built beside one with units is not).
 - In one process: a checkpointed block with dropout recomputes the forward's mask in
   backward (random numbers drawn in between do not leak in) and gets keyword arguments:
@@ -237,6 +240,19 @@ def two_replicas():
     torch_norm = torch.nn.utils.clip_grad_norm_(probe.parameters(), float("inf"))
     results["torch_norm_type"] = type(torch_norm).__name__
     results["torch_norm_placements"] = [type(p).__name__ for p in torch_norm.placements]
+
+    # ts.accumulate in an FSDP2-style loop (outside run, each replica its half of the
+    # batch, FSDP2's mean loss): two micro-batches give one device's whole-batch gradient.
+    accumulating = ts.ShardedStrategy()
+    accumulated = build_in(accumulating)
+    x, y = batches()[0]
+    rank = accumulating.extended.replica_id
+    mine = [(x[rank * 4 + i:rank * 4 + i + 2], y[rank * 4 + i:rank * 4 + i + 2]) for i in (0, 2)]
+    for micro in ts.accumulate(accumulating, mine, steps=2):
+        with micro:
+            micro.scale_mean_loss(per_example_loss(accumulated, *micro.batch).mean()).backward()
+    for p, q in zip(accumulated.parameters(), reference[3]):
+        torch.testing.assert_close(p.grad.full_tensor(), q, atol=1e-6, rtol=0)
 
     # Models sharded together need one unit between them: a lone head beside them is fine.
     together = ts.ShardedStrategy(activation_checkpointing=True)
