@@ -12,7 +12,8 @@ Two launches check everything:
   clips every shard as one device does, where torch's own returns a DTensor;
   ``ts.accumulate`` over two micro-batches in an FSDP2-style loop outside ``run``
   (``micro.scale_mean_loss`` of each replica's mean loss) gives one device's whole-batch
-  gradient (1e-6); ``activation_checkpointing=True`` on a model with no unit to
+  gradient (1e-6); a ``MixedPrecisionPolicy`` reaches ``fully_shard`` as given;
+  ``activation_checkpointing=True`` on a model with no unit to
   checkpoint is refused (a
   model without units built beside one with units is not).
 - In one process: a checkpointed block with dropout recomputes the forward's mask in
@@ -32,6 +33,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import torchstrategy as ts
 from torchstrategy.strategies.sharding.training import checkpoint_activations
@@ -253,6 +255,10 @@ def two_replicas():
             micro.scale_mean_loss(per_example_loss(accumulated, *micro.batch).mean()).backward()
     for p, q in zip(accumulated.parameters(), reference[3]):
         torch.testing.assert_close(p.grad.full_tensor(), q, atol=1e-6, rtol=0)
+
+    # FSDP2's MixedPrecisionPolicy passes straight through to every fully_shard call.
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    assert ts.ShardedStrategy(mixed_precision=policy).extended.fsdp_kwargs["mp_policy"] is policy
 
     # Models sharded together need one unit between them: a lone head beside them is fine.
     together = ts.ShardedStrategy(activation_checkpointing=True)
