@@ -41,8 +41,10 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     every replica and equal to what ``torch.nn.utils.clip_grad_norm_`` returns on one
     device for the same gradients, and every shard is scaled by the same factor one device
     would use. torch (checked on 2.13) computes and clips the same way but returns a
-    replicated DTensor, which cannot be mixed with plain tensors (``norm + x``) or logged
-    as one; this returns its value as a ``torch.Tensor`` (``.item()`` gives the float).
+    replicated DTensor, which spreads to what it is combined with, fails with plain tensors
+    of one or more dimensions ("got mixed torch.Tensor and DTensor") and in an f-string
+    format (``f"{norm:.3f}"``); this returns its value as a ``torch.Tensor`` (``.item()``
+    gives the float).
     With plain parameters (MirroredStrategy, one device) it is torch's function unchanged.
 
     With sharded parameters it is a collective (the norms of the shards are summed over
