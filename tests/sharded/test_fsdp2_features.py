@@ -242,6 +242,14 @@ def two_replicas():
     torch_norm = torch.nn.utils.clip_grad_norm_(probe.parameters(), float("inf"))
     results["torch_norm_type"] = type(torch_norm).__name__
     results["torch_norm_placements"] = [type(p).__name__ for p in torch_norm.placements]
+    # What a user logging torch's norm meets, and ours avoids.
+    with pytest.raises(TypeError):
+        f"{torch_norm:.3f}"
+    with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+        torch_norm + torch.zeros(2)
+    ours = ts.clip_grad_norm_(probe.parameters(), float("inf"))
+    assert f"{ours:.6f}" == f"{torch_norm.item():.6f}"
+    assert torch.equal(ours + torch.zeros(2), torch.full((2,), torch_norm.item()))
 
     # ts.accumulate in an FSDP2-style loop (outside run, each replica its half of the
     # batch, FSDP2's mean loss): two micro-batches give one device's whole-batch gradient.
