@@ -3,6 +3,7 @@
 // Reducer and the bucket layout policy). The other files in csrc/ only implement.
 #include "bucket_layout.h"
 #include "bucket_ops.h"
+#include "ef_ops.h"
 #include "reducer.h"
 
 #include <torch/extension.h>
@@ -19,6 +20,12 @@ TORCH_LIBRARY(torchstrategy, m) {
         "float scale) -> ()");
   m.def("unpack_reference(Tensor flat, Tensor(a!)[] tensors, int[] offsets, float scale, "
         "bool accumulate) -> ()");
+  m.def("ef_quantize_int8(Tensor grad, Tensor(a!) residual, Tensor(b!) q, Tensor(c!) scales, "
+        "int chunk) -> ()");
+  m.def("dequantize_sum(Tensor q, Tensor scales, Tensor(a!) out, int chunk) -> ()");
+  m.def("ef_quantize_int8_reference(Tensor grad, Tensor(a!) residual, Tensor(b!) q, "
+        "Tensor(c!) scales, int chunk) -> ()");
+  m.def("dequantize_sum_reference(Tensor q, Tensor scales, Tensor(a!) out, int chunk) -> ()");
 }
 
 // Every device without a dedicated kernel gets the generic implementation.
@@ -27,11 +34,17 @@ TORCH_LIBRARY_IMPL(torchstrategy, CompositeExplicitAutograd, m) {
   m.impl("unpack", &torchstrategy::unpack_generic);
   m.impl("pack_reference", &torchstrategy::pack_generic);
   m.impl("unpack_reference", &torchstrategy::unpack_generic);
+  m.impl("ef_quantize_int8", &torchstrategy::ef_quantize_int8_generic);
+  m.impl("dequantize_sum", &torchstrategy::dequantize_sum_generic);
+  m.impl("ef_quantize_int8_reference", &torchstrategy::ef_quantize_int8_generic);
+  m.impl("dequantize_sum_reference", &torchstrategy::dequantize_sum_generic);
 }
 
 TORCH_LIBRARY_IMPL(torchstrategy, CPU, m) {
   m.impl("pack", &torchstrategy::pack_cpu);
   m.impl("unpack", &torchstrategy::unpack_cpu);
+  m.impl("ef_quantize_int8", &torchstrategy::ef_quantize_int8_cpu);
+  m.impl("dequantize_sum", &torchstrategy::dequantize_sum_cpu);
 }
 
 #ifdef TORCHSTRATEGY_WITH_CUDA  // set by setup.py when csrc/*.cu is built

@@ -28,6 +28,7 @@ from torchstrategy.communication_options import (CommunicationImplementation,
                                                  CommunicationOptions)
 from torchstrategy.collectives.cross_device_ops import (CrossDeviceOps, NcclAllReduce,
                                                         ReductionToOneDevice)
+from torchstrategy.collectives.compression import Int8, PowerSGD
 from torchstrategy.context import (experimental_set_strategy, get_cross_replica_context,
                                    get_replica_context, get_strategy, has_strategy,
                                    in_cross_replica_context)
@@ -86,6 +87,7 @@ __all__ = [  # one name a line, sorted: adding a name touches one line
     "InputContext",
     "InputOptions",
     "InputReplicationMode",
+    "Int8",
     "KubernetesClusterResolver",
     "LightningStrategy",
     "Mirrored",
@@ -96,6 +98,7 @@ __all__ = [  # one name a line, sorted: adding a name touches one line
     "OneDeviceStrategy",
     "ParameterServerStrategy",
     "PerReplica",
+    "PowerSGD",
     "PreemptionCheckpointHandler",
     "ReduceOp",
     "ReductionToOneDevice",

@@ -50,3 +50,20 @@ def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequenc
     it when `accumulate`)."""
     _require_extension()
     torch.ops.torchstrategy.unpack(flat, tensors, offsets, float(scale), bool(accumulate))
+
+
+def ef_quantize_int8(grad: torch.Tensor, residual: torch.Tensor, q: torch.Tensor,
+                     scales: torch.Tensor, chunk: int) -> None:
+    """Int8 quantisation with error feedback, in place (csrc/ef_ops.h): ``c = grad +
+    residual``; per chunk of `chunk` elements ``scales[j] = max|c| / 127``; ``q =
+    round(c / scales[j])`` (int8); ``residual = c - q * scales[j]``."""
+    _require_extension()
+    torch.ops.torchstrategy.ef_quantize_int8(grad, residual, q, scales, int(chunk))
+
+
+def dequantize_sum(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
+                   chunk: int) -> None:
+    """``out = sum_r q[r] * scales[r]`` (per chunk), summed in float in replica order, so
+    every replica computes the same bits (csrc/ef_ops.h)."""
+    _require_extension()
+    torch.ops.torchstrategy.dequantize_sum(q, scales, out, int(chunk))

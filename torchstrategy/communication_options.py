@@ -6,7 +6,7 @@ import numbers
 import warnings
 from typing import Callable
 
-from torchstrategy.collectives.compression import check_compression
+from torchstrategy.collectives.compression import Compression, check_compression
 
 
 class CommunicationImplementation(enum.Enum):
@@ -57,8 +57,9 @@ class CommunicationOptions:
         else 30 minutes).
       implementation: a `CommunicationImplementation` or its name ("AUTO", "RING", "NCCL").
       compression: None, "bf16" or "fp16": gradients of wider floating dtypes are
-        all-reduced in that dtype (half the bytes, rounded); the same as
-        ``ts.NcclAllReduce(compression=...)``.
+        all-reduced in that dtype (half the bytes, rounded); or ``ts.PowerSGD(rank=4)`` /
+        ``ts.Int8()``: error-feedback compression (far fewer bytes; see
+        docs/gradient_reduction.md); the same as ``ts.NcclAllReduce(compression=...)``.
 
     Raises:
       ValueError / TypeError: naming the bad argument.
@@ -66,7 +67,7 @@ class CommunicationOptions:
 
     def __init__(self, bytes_per_pack: int = 0, timeout_seconds: float | None = None,
                  implementation: CommunicationImplementation | str =
-                 CommunicationImplementation.AUTO, compression: str | None = None) -> None:
+                 CommunicationImplementation.AUTO, compression: Compression = None) -> None:
         if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int) \
                 or bytes_per_pack < 0:
             raise ValueError(f"bytes_per_pack must be a non-negative int (0 = automatic), "

@@ -8,10 +8,15 @@ replicas stays in fp16's range whenever each replica's gradient does.
 Errors are those of rounding to the wire dtype: every element of the summed gradient is
 within about ``N * 2**-8`` (bf16) or ``N * 2**-11`` (fp16) of the largest magnitude among
 the replicas' contributions to it, relative.
+
+Error-feedback compression (`PowerSGD`, `Int8`) sends far fewer bytes and keeps what it
+did not send (the residual) to add to the next step's gradient, so that nothing is lost
+over steps; `torchstrategy.collectives.error_feedback` runs it. The classes here only hold
+and check the settings.
 """
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar, Union
 
 import torch
 
@@ -20,21 +25,126 @@ _Ops = TypeVar("_Ops")
 _WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def check_compression(compression: str | None) -> str | None:
-    """Returns `compression` ("bf16", "fp16" or None) after checking it.
+def _check_int(name: str, value: Any, minimum: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum} ({what}), got {value!r}.")
+    return value
+
+
+class ErrorFeedback:
+    """Base of the error-feedback compressors: each replica adds the residual it kept from
+    the previous synchronised step to its gradient, sends a compressed form of the sum, and
+    keeps what the compressed form missed. The first `warmup_steps` synchronised steps are
+    all-reduced uncompressed (bit for bit the default reduction)."""
+
+    warmup_steps: int = 0
+
+    def _settings(self) -> dict[str, Any]:
+        raise NotImplementedError("abstract: subclasses list their settings")
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and \
+            self._settings() == other._settings()
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, tuple(sorted(self._settings().items()))))
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self._settings().items())
+        return f"{type(self).__name__}({args})"
+
+
+class PowerSGD(ErrorFeedback):
+    """PowerSGD (Vogels et al., 2019): rank-`rank` gradient compression with error feedback.
+
+    Each gradient of two or more dimensions (reshaped to ``[shape[0], -1]``, an ``n x m``
+    matrix M) for which ``rank * (n + m) < n * m`` travels as two thin matrices: P = M Q
+    (``n x rank``) is summed over replicas and orthonormalised, then Q = M^T P (``m x
+    rank``) is summed, and P Q^T approximates the *sum* of the replicas' M. Q is kept for the
+    next step (warm start), so one power iteration a step refines it. Every other gradient
+    (vectors, small matrices) is summed uncompressed in one flat buffer.
+
+    Args:
+      rank: the rank of the approximation (bytes and accuracy grow with it).
+      warmup_steps: synchronised steps all-reduced uncompressed before compression starts.
+      seed: the seed of the first Q (the same on every replica).
+
+    Raises:
+      ValueError: `rank` < 1, negative `warmup_steps`, or a seed that is not an int.
+    """
+
+    def __init__(self, rank: int = 4, warmup_steps: int = 0, seed: int = 0) -> None:
+        self.rank = _check_int("PowerSGD rank", rank, 1, "the rank of the approximation")
+        self.warmup_steps = _check_int("PowerSGD warmup_steps", warmup_steps, 0,
+                                       "uncompressed steps first")
+        self.seed = _check_int("PowerSGD seed", seed, 0, "the seed of the first Q")
+
+    def _settings(self) -> dict[str, Any]:
+        return {"rank": self.rank, "warmup_steps": self.warmup_steps, "seed": self.seed}
+
+    def compresses(self, shape: torch.Size) -> bool:
+        """True when a gradient of `shape` travels as P and Q (fewer elements than M)."""
+        if len(shape) < 2:
+            return False
+        rows = int(shape[0])
+        cols = 1
+        for d in shape[1:]:
+            cols *= int(d)
+        return self.rank * (rows + cols) < rows * cols
+
+
+class Int8(ErrorFeedback):
+    """8-bit quantisation with error feedback.
+
+    Each bucket's gradients (plus the kept residual) are cut into chunks of `chunk_size`
+    elements; a chunk travels as int8 levels times one float scale (its largest magnitude
+    / 127, rounded to nearest). The replicas' int8 levels and scales are *gathered* (not
+    summed in int8, which would overflow) and every replica adds them up in float, in
+    replica order, so every replica gets the same bits. About a quarter of fp32's bytes per
+    replica; since every replica receives every other's levels, traffic per replica grows
+    with the number of replicas (N bytes per element against about 8 for a ring all-reduce
+    of fp32): it pays for up to about 8 replicas.
+
+    Args:
+      chunk_size: elements sharing one scale (smaller: more accurate, more scales).
+      warmup_steps: synchronised steps all-reduced uncompressed before compression starts.
+
+    Raises:
+      ValueError: `chunk_size` < 1 or negative `warmup_steps`.
+    """
+
+    def __init__(self, chunk_size: int = 1024, warmup_steps: int = 0) -> None:
+        self.chunk_size = _check_int("Int8 chunk_size", chunk_size, 1,
+                                     "elements sharing one scale")
+        self.warmup_steps = _check_int("Int8 warmup_steps", warmup_steps, 0,
+                                       "uncompressed steps first")
+
+    def _settings(self) -> dict[str, Any]:
+        return {"chunk_size": self.chunk_size, "warmup_steps": self.warmup_steps}
+
+
+Compression = Union[str, ErrorFeedback, None]
+
+
+def check_compression(compression: Compression) -> Compression:
+    """Returns `compression` ("bf16", "fp16", a `PowerSGD` / `Int8`, or None) after
+    checking it.
 
     Raises:
       ValueError: any other value, naming the accepted ones.
     """
-    if compression is None or compression in _WIRE_DTYPES:
+    if compression is None or isinstance(compression, ErrorFeedback) or \
+            (isinstance(compression, str) and compression in _WIRE_DTYPES):
         return compression
-    raise ValueError(f"compression must be None, 'bf16' or 'fp16', got {compression!r}.")
+    raise ValueError(f"compression must be None, 'bf16', 'fp16', ts.PowerSGD(rank=...) or "
+                     f"ts.Int8(), got {compression!r}.")
 
 
-def wire_dtype(compression: str | None, dtype: torch.dtype) -> torch.dtype | None:
+def wire_dtype(compression: Compression, dtype: torch.dtype) -> torch.dtype | None:
     """The dtype a bucket of `dtype` travels in under `compression`, or None when it travels
-    as it is (no compression, a non-floating bucket, or one already as small as the wire)."""
-    if compression is None or not dtype.is_floating_point:
+    as it is (no compression, error feedback, a non-floating bucket, or one already as
+    small as the wire)."""
+    if not isinstance(compression, str) or not dtype.is_floating_point:
         return None
     wire = _WIRE_DTYPES[compression]
     if torch.finfo(dtype).bits <= torch.finfo(wire).bits:
@@ -42,16 +152,18 @@ def wire_dtype(compression: str | None, dtype: torch.dtype) -> torch.dtype | Non
     return wire
 
 
-def with_compression(cross_device_ops: _Ops, compression: str | None) -> _Ops:
+def with_compression(cross_device_ops: _Ops, compression: Compression) -> _Ops:
     """Returns `cross_device_ops` set to carry `compression` (how a strategy applies
     ``CommunicationOptions.compression`` to its cross-device ops).
 
     Raises:
-      ValueError: a bad value, or cross-device ops already set to another compression.
+      ValueError: a bad value, cross-device ops already set to another compression, or
+        error feedback asked of cross-device ops that cannot run it.
     """
     compression = check_compression(compression)
     if compression is None:
         return cross_device_ops
+    check_runs_error_feedback(cross_device_ops, compression)
     current = getattr(cross_device_ops, "compression", None)
     if current not in (None, compression):
         raise ValueError(f"CommunicationOptions(compression={compression!r}) disagrees with "
@@ -59,3 +171,20 @@ def with_compression(cross_device_ops: _Ops, compression: str | None) -> _Ops:
     # Any cross-device ops object: those that do not declare `compression` gain it here.
     setattr(cross_device_ops, "compression", compression)
     return cross_device_ops
+
+
+def check_runs_error_feedback(cross_device_ops: Any, compression: Compression) -> None:
+    """Refuses error-feedback `compression` with cross-device ops whose algorithm it would
+    replace: it runs its own collectives (all-reduces of P and Q, gathers of int8 levels)
+    over the process group, which only ``ts.NcclAllReduce`` (the default) agrees to.
+
+    Raises:
+      ValueError: naming the cross-device ops and what to use instead.
+    """
+    if isinstance(compression, ErrorFeedback) and \
+            not getattr(cross_device_ops, "runs_error_feedback", False):
+        raise ValueError(
+            f"compression={compression!r} cannot run with cross_device_ops="
+            f"{cross_device_ops!r}: error-feedback compression runs its own collectives "
+            "over the process group in place of that algorithm. Use the default "
+            "ts.NcclAllReduce() (ts.NcclAllReduce(compression=...)), or compression='bf16'.")

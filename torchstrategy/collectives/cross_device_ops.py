@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from torchstrategy import context
-from torchstrategy.collectives.compression import check_compression
+from torchstrategy.collectives.compression import Compression, check_compression
 from torchstrategy.communication_options import CommunicationOptions
 from torchstrategy.reduce_op import ReduceOp, as_reduce_op
 
@@ -69,7 +69,11 @@ class CrossDeviceOps:
     before handing them to `all_reduce_async` ("bf16", "fp16" or None).
     """
 
-    compression: str | None = None
+    compression: Compression = None
+
+    # True for algorithms that let error-feedback compression (ts.PowerSGD, ts.Int8) run its
+    # own collectives over their process group in their place.
+    runs_error_feedback = False
 
     def all_reduce_async(self, flat: torch.Tensor, group: dist.ProcessGroup | None
                          ) -> Pending:
@@ -161,11 +165,16 @@ class NcclAllReduce(CrossDeviceOps):
         that a large buffer's chunks can be in flight together.
       compression: None, "bf16" or "fp16": gradient buckets of wider floating dtypes travel
         in that dtype (half the bytes; each sum rounded to it, see
-        `torchstrategy.collectives.compression`). Values reduced with
-        ``strategy.reduce`` are never compressed.
+        `torchstrategy.collectives.compression`); or ``ts.PowerSGD(rank=...)`` /
+        ``ts.Int8()``: error-feedback compression of gradient buckets
+        (`torchstrategy.collectives.error_feedback`; the buckets are then reduced after
+        backward, not during it). Values reduced with ``strategy.reduce`` are never
+        compressed.
     """
 
-    def __init__(self, num_packs: int = 1, compression: str | None = None) -> None:
+    runs_error_feedback = True
+
+    def __init__(self, num_packs: int = 1, compression: Compression = None) -> None:
         if isinstance(num_packs, bool) or not isinstance(num_packs, int) or num_packs < 1:
             raise ValueError(f"num_packs must be a positive int, got {num_packs!r}.")
         self.num_packs = num_packs

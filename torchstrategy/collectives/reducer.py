@@ -24,6 +24,10 @@ How it works (the design DDP's reducer made standard):
   waits for every all-reduce, and settles ``.grad`` before ``backward()`` returns.
 - With compression (``ts.NcclAllReduce(compression="bf16")``) a bucket is cast into a
   half-size wire buffer by a fused kernel, all-reduced, and cast back.
+- With error-feedback compression (``compression=ts.PowerSGD(rank=4)`` or ``ts.Int8()``)
+  the core hands each bucket to an `ErrorFeedbackReducer` instead
+  (`torchstrategy.collectives.error_feedback`), which reduces it compressed when the core
+  waits for it, after backward (no overlap with backward's computation).
 
 Each bucket carries one extra element per parameter: 1 if this replica contributed a
 gradient for it. After the all-reduce that count tells whether *any* replica did; a
@@ -67,7 +71,9 @@ import torch
 
 from torchstrategy import _compat, _ops, module_state, runtime
 from torchstrategy.collectives.communicator import Communicator, explained_failures
+from torchstrategy.collectives.compression import ErrorFeedback, check_runs_error_feedback
 from torchstrategy.collectives.cross_device_ops import CrossDeviceOps, NcclAllReduce
+from torchstrategy.collectives.error_feedback import BucketSlots, ErrorFeedbackReducer
 from torchstrategy.collectives.stats import ReductionStats
 
 DEFAULT_BUCKET_CAP_BYTES = 25 * 1024 * 1024
@@ -110,6 +116,17 @@ class GradientReducer:
         self._index: module_state.IdentityMap[torch.Tensor, int] = module_state.IdentityMap()
         cross_device_ops = communicator.cross_device_ops
         self._compression = getattr(cross_device_ops, "compression", None)
+        self._error_feedback: ErrorFeedbackReducer | None = None
+        launcher: Any = cross_device_ops
+        if isinstance(self._compression, ErrorFeedback):
+            check_runs_error_feedback(cross_device_ops, self._compression)
+            # Weak references: the C++ core holds the launcher, which must not keep this
+            # object alive either.
+            me = weakref.ref(self)
+            self._error_feedback = launcher = ErrorFeedbackReducer(
+                self._compression, lambda: me()._params,  # type: ignore[union-attr]
+                lambda: me()._bucket_slots())  # type: ignore[union-attr]
+        wire = self._compression if isinstance(self._compression, str) else ""
         this = weakref.ref(self)   # the C++ reducer must not keep this object alive
 
         def finalize() -> None:
@@ -119,9 +136,9 @@ class GradientReducer:
 
         make = lambda process_group: _ops.make_reducer(
             int(bucket_cap_bytes), int(first_bucket_bytes), communicator.world_size,
-            self._compression or "", process_group, cross_device_ops, communicator.group,
-            communicator.hold, finalize)
-        process_group = _process_group_for_cpp(cross_device_ops, communicator.group)
+            wire, process_group, launcher, communicator.group, communicator.hold, finalize)
+        process_group = None if self._error_feedback is not None else \
+            _process_group_for_cpp(cross_device_ops, communicator.group)
         try:
             self._core: Any = make(process_group)  # torchstrategy._C.Reducer; None once closed
         except (RuntimeError, TypeError):  # a process group C++ cannot take: via Python
@@ -215,12 +232,67 @@ class GradientReducer:
         return index is not None and self._core.is_bucket_view(index)
 
     def stats(self) -> ReductionStats:
-        """The `ReductionStats` of the last synchronised backward."""
+        """The `ReductionStats` of the last synchronised backward. Under error-feedback
+        compression ``bytes_reduced`` counts what each replica sent (P and Q, int8 levels
+        and scales, the uncompressed rest) and ``compression_ratio`` the buckets' bytes
+        over that."""
         bytes_reduced, buckets, waited, steps = self._core.stats()
+        ratio = 1.0
+        if self._error_feedback is not None:
+            sent, uncompressed = self._error_feedback.last_bytes
+            bytes_reduced = sent
+            ratio = uncompressed / sent if sent else 1.0
+        compression = self._compression if isinstance(self._compression, (str, type(None))) \
+            else repr(self._compression)
         return ReductionStats(bytes_reduced=bytes_reduced, num_buckets=buckets,
                               num_parameters=len(self._params),
                               exposed_communication_seconds=waited,
-                              compression=self._compression, steps=steps)
+                              compression=compression, steps=steps,
+                              compression_ratio=ratio)
+
+    def _bucket_slots(self) -> list[BucketSlots]:
+        """Where each parameter lives in its bucket's flat buffer, bucket by bucket in
+        launch order (the layout csrc/bucket_layout.cpp computes: every slot starts on a
+        16-byte boundary, the flags follow the last slot, aligned)."""
+        order = self._core.bucket_order()
+        out = []
+        at = 0
+        for size, (_, numels, elements, _) in zip(self._core.bucket_sizes(),
+                                                  self._core.bucket_layout()):
+            params = order[at:at + size]
+            at += size
+            step = max(1, 16 // self._params[params[0]].element_size())
+            offsets = []
+            end = 0
+            for n in numels:
+                offsets.append(-(-end // step) * step)
+                end = offsets[-1] + n
+            out.append(BucketSlots(params, offsets, list(numels), elements - size))
+        return out
+
+    # -- error-feedback state -----------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This replica's error-feedback compression state (residuals, PowerSGD's Q
+        matrices, the step counter); empty without error-feedback compression. Residuals
+        differ between replicas: save every replica's to resume exactly."""
+        if self._error_feedback is None:
+            return {}
+        return self._error_feedback.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores what `state_dict` returned on this replica.
+
+        Raises:
+          ValueError: a non-empty state without error-feedback compression, or one saved
+            under another compression.
+        """
+        if self._error_feedback is None:
+            if state:
+                raise ValueError("This gradient reducer runs no error-feedback compression; "
+                                 "its state_dict is empty. Create the strategy with "
+                                 "compression=ts.PowerSGD(...) / ts.Int8() to load one.")
+            return
+        self._error_feedback.load_state_dict(state)
 
     # -- averaging ----------------------------------------------------------------------
     def average_this_backward(self) -> bool:
@@ -250,12 +322,15 @@ class GradientReducer:
 
     # -- once per backward --------------------------------------------------------------
     def _finalize(self) -> None:
+        synced = False
         try:
             with explained_failures("the gradient all-reduce", self._comm.rank,
                                     self._comm.diagnose):
-                self._core.finalize()
+                synced = bool(self._core.finalize())
         finally:
             self._core.reset_step()
+            if self._error_feedback is not None:
+                self._error_feedback.end_step(synced)
         arrival = self._core.take_arrival()
         if arrival is not None:
             self._rebuild_from_arrival(arrival)

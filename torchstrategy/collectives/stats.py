@@ -16,6 +16,8 @@ class ReductionStats(typing.NamedTuple):
         the all-reduces to finish (communication not hidden behind backward).
       compression: the wire format ("bf16", "fp16") or None.
       steps: synchronised backward passes so far.
+      compression_ratio: under error-feedback compression (ts.PowerSGD, ts.Int8), the
+        buckets' bytes over the bytes sent; 1.0 otherwise.
     """
 
     bytes_reduced: int = 0
@@ -24,3 +26,4 @@ class ReductionStats(typing.NamedTuple):
     exposed_communication_seconds: float = 0.0
     compression: typing.Optional[str] = None
     steps: int = 0
+    compression_ratio: float = 1.0

@@ -1,0 +1,284 @@
+"""Error-feedback compression of gradient buckets: `PowerSGD` and `Int8` at work.
+
+The gradient reducer's C++ core hands each bucket (in bucket order) to
+`ErrorFeedbackReducer.all_reduce_async` instead of all-reducing it; the returned handle
+does the compressed reduction when the core waits for it, after backward has finished (so
+compressed buckets do not overlap backward). The core keeps doing everything else as
+without compression: accumulation under ``no_sync``, averaging (`ts.scale_mean_loss`: the
+bucket already holds gradient / N, and the approximation of the sum of those is the
+approximation of the mean), the "contributed" flags at the end of each bucket, and the
+settling of ``.grad``.
+
+Per bucket, with world size N and ``flags`` the bucket's per-parameter contributed counts:
+
+- Warm-up (the first ``warmup_steps`` synchronised steps): the bucket is all-reduced as it
+  is, exactly as without compression.
+- `PowerSGD`: the uncompressed gradients (vectors, small matrices) and the flags are
+  packed into one buffer and all-reduced first; then, for every matrix some replica
+  contributed, M = gradient + residual, P = M Q is all-reduced (all matrices in one buffer),
+  orthonormalised (``torch.linalg.qr``), Q_local = M^T P, residual = M - P Q_local^T, and
+  Q_local is all-reduced (one buffer): the bucket gets P Q^T, the sum over replicas of
+  their P Q_local^T. Since each replica keeps exactly what its own term missed, the applied
+  sums plus the replicas' residuals always equal the true sums (the identity the tests
+  check). Q (the sum) is kept for the next step (warm start).
+- `Int8`: the flags are all-reduced; the bucket (gradient + residual, float) is quantised
+  per chunk (``_ops.ef_quantize_int8``, csrc/ef_ops.cpp), levels and scales are gathered
+  from every replica and summed in replica order (``_ops.dequantize_sum``).
+
+A parameter no replica contributed (flag sum 0) keeps its residual for later; its ``.grad``
+is left as it was by the core.
+
+The state (step counter, residuals, Q matrices) is per replica: residuals differ between
+replicas. `ErrorFeedbackReducer.state_dict` returns this replica's.
+"""
+from __future__ import annotations
+
+import datetime
+from typing import Any, Callable, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from torchstrategy import _ops
+from torchstrategy.collectives.compression import ErrorFeedback, Int8, PowerSGD
+
+
+class BucketSlots(NamedTuple):
+    """Where the parameters of one bucket live in its flat buffer."""
+
+    params: list[int]    # registration indices, in slot order
+    offsets: list[int]   # each slot's first element
+    numels: list[int]
+    flags_at: int        # first of the per-parameter "contributed" flags
+
+
+class _Deferred:
+    """A bucket's compressed reduction, run when the reducer waits for it."""
+
+    def __init__(self, run: Callable[[], None]) -> None:
+        self._run: Callable[[], None] | None = run
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if self._run is not None:
+            run, self._run = self._run, None
+            run()
+        return True
+
+
+def orthonormalize(p: torch.Tensor) -> torch.Tensor:
+    """An orthonormal basis of `p`'s columns (``n x r``, r < n), as PowerSGD needs; the same
+    bits on every replica given the same `p` (the all-reduced one)."""
+    return torch.linalg.qr(p, mode="reduced").Q
+
+
+def initial_q(seed: int, index: int, cols: int, rank: int) -> torch.Tensor:
+    """PowerSGD's first Q for the parameter registered `index`-th: standard normal, seeded
+    by (`seed`, `index`), so every replica starts from the same one."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    return torch.randn(cols, rank, generator=generator)
+
+
+class ErrorFeedbackReducer:
+    """Runs `compression` on the buckets the reducer's core launches (see the module
+    docstring). Used by `GradientReducer` as the core's cross-device ops.
+
+    Args:
+      compression: a `PowerSGD` or `Int8`.
+      parameters: returns the registered parameters in registration order.
+      layout: returns the current buckets' `BucketSlots`, in launch order.
+    """
+
+    def __init__(self, compression: ErrorFeedback,
+                 parameters: Callable[[], list[torch.Tensor]],
+                 layout: Callable[[], list[BucketSlots]]) -> None:
+        if not isinstance(compression, (PowerSGD, Int8)):
+            raise TypeError(f"compression must be ts.PowerSGD or ts.Int8, got "
+                            f"{compression!r}.")
+        self.compression = compression
+        self._parameters = parameters
+        self._layout_fn = layout
+        self.step = 0                                   # synchronised steps so far
+        self.residuals: dict[int, torch.Tensor] = {}    # registration index -> float32
+        self.qs: dict[int, torch.Tensor] = {}           # PowerSGD: index -> Q (cols x rank)
+        # Int8 keeps each bucket's residuals in one flat buffer (the kernel's input); the
+        # per-parameter entries of `residuals` are views into it.
+        self._flat_residuals: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._bucket = 0
+        self._layout: list[BucketSlots] = []
+        self._params: list[torch.Tensor] = []
+        self._step_bytes = [0, 0]   # sent, uncompressed equivalent
+        self.last_bytes = (0, 0)
+
+    # -- called by the reducer's core, per bucket in launch order -----------------------
+    def all_reduce_async(self, flat: torch.Tensor, group: dist.ProcessGroup | None
+                         ) -> _Deferred:
+        if self._bucket == 0:
+            self._layout = self._layout_fn()
+            self._params = self._parameters()
+            self._step_bytes = [0, 0]
+        slots = self._layout[self._bucket]
+        self._bucket += 1
+        return _Deferred(lambda: self._reduce(flat, slots, group))
+
+    def end_step(self, synced: bool) -> None:
+        """Called after the core's finalisation: the next launch is bucket 0 again."""
+        self._bucket = 0
+        if synced:
+            self.step += 1
+            self.last_bytes = (self._step_bytes[0], self._step_bytes[1])
+
+    def _sent(self, *tensors: torch.Tensor) -> None:
+        self._step_bytes[0] += sum(t.numel() * t.element_size() for t in tensors)
+
+    def _reduce(self, flat: torch.Tensor, slots: BucketSlots,
+                group: dist.ProcessGroup | None) -> None:
+        self._step_bytes[1] += flat.numel() * flat.element_size()
+        if self.step < self.compression.warmup_steps:
+            dist.all_reduce(flat, group=group)
+            self._sent(flat)
+            return
+        with torch.no_grad():
+            if isinstance(self.compression, PowerSGD):
+                self._power_sgd(self.compression, flat, slots, group)
+            else:
+                assert isinstance(self.compression, Int8)
+                self._int8(self.compression, flat, slots, group)
+
+    # -- PowerSGD -----------------------------------------------------------------------
+    def _power_sgd(self, algo: PowerSGD, flat: torch.Tensor, slots: BucketSlots,
+                   group: dist.ProcessGroup | None) -> None:
+        count = len(slots.params)
+        flags = flat.narrow(0, slots.flags_at, count)
+        matrix = [algo.compresses(self._params[i].shape) for i in slots.params]
+        plain = [flat.narrow(0, o, n) for o, n, m in
+                 zip(slots.offsets, slots.numels, matrix) if not m] + [flags]
+        numels = [t.numel() for t in plain]
+        offsets = [sum(numels[:k]) for k in range(len(numels))]
+        buffer = torch.empty(sum(numels), dtype=flat.dtype, device=flat.device)
+        _ops.pack(buffer, plain, offsets, numels)
+        dist.all_reduce(buffer, group=group)
+        self._sent(buffer)
+        _ops.unpack(buffer, plain, offsets)
+        used = (flags > 0).tolist()
+
+        work = []   # (index, view, M, Q)
+        for k, i in enumerate(slots.params):
+            if not matrix[k] or not used[k]:
+                continue
+            shape = self._params[i].shape
+            rows = int(shape[0])
+            cols = slots.numels[k] // rows
+            view = flat.narrow(0, slots.offsets[k], slots.numels[k]).view(rows, cols)
+            m = view.float()
+            residual = self.residuals.get(i)
+            if residual is not None:
+                m = m + residual.to(m.device).view(rows, cols)
+            q = self.qs.get(i)
+            q = (initial_q(algo.seed, i, cols, algo.rank) if q is None else q).to(m.device)
+            work.append((i, view, m, q))
+        if not work:
+            return
+        ps = torch.cat([(m @ q).reshape(-1) for _, _, m, q in work])
+        dist.all_reduce(ps, group=group)
+        self._sent(ps)
+        q_locals = []
+        bases = []
+        at = 0
+        for i, _, m, _ in work:
+            rows = m.shape[0]
+            p = orthonormalize(ps.narrow(0, at, rows * algo.rank).view(rows, algo.rank))
+            at += rows * algo.rank
+            q_local = m.t() @ p
+            self.residuals[i] = (m - p @ q_local.t()).reshape(-1)
+            bases.append(p)
+            q_locals.append(q_local.reshape(-1))
+        q_sum = torch.cat(q_locals)
+        dist.all_reduce(q_sum, group=group)
+        self._sent(q_sum)
+        at = 0
+        for (i, view, m, _), p in zip(work, bases):
+            cols = m.shape[1]
+            q = q_sum.narrow(0, at, cols * algo.rank).view(cols, algo.rank)
+            at += cols * algo.rank
+            view.copy_(p @ q.t())
+            self.qs[i] = q.clone()
+
+    # -- Int8 ---------------------------------------------------------------------------
+    def _bucket_residual(self, bucket: int, slots: BucketSlots,
+                         device: torch.device) -> torch.Tensor:
+        """The bucket's flat float32 residual; after a re-bucketing (or a loaded state)
+        every parameter's residual is moved into the new layout."""
+        signature = (tuple(slots.params), tuple(slots.offsets), slots.flags_at)
+        cached = self._flat_residuals.get(bucket)
+        if cached is not None and cached[0] == signature:
+            return cached[1]
+        buffer = torch.zeros(slots.flags_at, dtype=torch.float32, device=device)
+        for i, o, n in zip(slots.params, slots.offsets, slots.numels):
+            view = buffer.narrow(0, o, n)
+            old = self.residuals.get(i)
+            if old is not None:
+                view.copy_(old.reshape(-1))
+            self.residuals[i] = view
+        self._flat_residuals[bucket] = (signature, buffer)
+        return buffer
+
+    def _int8(self, algo: Int8, flat: torch.Tensor, slots: BucketSlots,
+              group: dist.ProcessGroup | None) -> None:
+        count = len(slots.params)
+        flags = flat.narrow(0, slots.flags_at, count)
+        dist.all_reduce(flags, group=group)
+        self._sent(flags)
+        used = (flags > 0).tolist()
+        bucket = self._bucket_index(slots)
+        residual = self._bucket_residual(bucket, slots, flat.device)
+        # A parameter no replica contributed sends nothing: its residual waits.
+        kept = [(residual.narrow(0, o, n), residual.narrow(0, o, n).clone())
+                for o, n, u in zip(slots.offsets, slots.numels, used) if not u]
+        for view, _ in kept:
+            view.zero_()
+        data = flat.narrow(0, 0, slots.flags_at)
+        chunks = (slots.flags_at + algo.chunk_size - 1) // algo.chunk_size
+        q = torch.empty(slots.flags_at, dtype=torch.int8, device=flat.device)
+        scales = torch.empty(chunks, dtype=torch.float32, device=flat.device)
+        _ops.ef_quantize_int8(data, residual, q, scales, algo.chunk_size)
+        for view, saved in kept:
+            view.copy_(saved)
+        world = dist.get_world_size(group)
+        all_q = torch.empty(world, slots.flags_at, dtype=torch.int8, device=flat.device)
+        all_scales = torch.empty(world, chunks, dtype=torch.float32, device=flat.device)
+        dist.all_gather(list(all_q.unbind(0)), q, group=group)
+        dist.all_gather(list(all_scales.unbind(0)), scales, group=group)
+        self._sent(q, scales)
+        _ops.dequantize_sum(all_q, all_scales, data, algo.chunk_size)
+
+    def _bucket_index(self, slots: BucketSlots) -> int:
+        for b, s in enumerate(self._layout):
+            if s is slots:
+                return b
+        raise AssertionError("bucket not in the current layout")
+
+    # -- checkpoints --------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This replica's error-feedback state: the compression (its repr), the step
+        counter, the residuals and (PowerSGD) the Q matrices, keyed by parameter
+        registration index; copies, safe to keep."""
+        return {"compression": repr(self.compression), "step": self.step,
+                "residuals": {i: t.detach().clone().cpu() for i, t in self.residuals.items()},
+                "q": {i: t.detach().clone().cpu() for i, t in self.qs.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores what `state_dict` returned (on the same replica of a run with the same
+        compression and parameters).
+
+        Raises:
+          ValueError: a state saved under another compression.
+        """
+        if state.get("compression") != repr(self.compression):
+            raise ValueError(f"This error-feedback state was saved with compression="
+                             f"{state.get('compression')}, but this reducer runs "
+                             f"{self.compression!r}; load it into a strategy created with "
+                             "the same compression.")
+        self.step = int(state["step"])
+        self.residuals = {int(i): t.clone() for i, t in state["residuals"].items()}
+        self.qs = {int(i): t.clone() for i, t in state["q"].items()}
+        self._flat_residuals = {}
