@@ -19,6 +19,8 @@ want_deps="torch==2.13.0 numpy pytest pytest-timeout pytest-xdist tqdm scikit-le
 want_deps="$want_deps lightning pytorch-lightning torchmetrics"
 # The type checker scripts/test.sh runs over torchstrategy/ ([tool.mypy] in pyproject.toml).
 want_deps="$want_deps mypy"
+# Plots of scripts/convergence_compression.py (docs/images/).
+want_deps="$want_deps matplotlib"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want_deps" ]; then
   "$PY" -m pip install -q --upgrade pip
   "$PY" -m pip install -q torch==2.13.0
