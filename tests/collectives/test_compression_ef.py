@@ -1,0 +1,279 @@
+"""Error-feedback gradient compression (ts.PowerSGD, ts.Int8): the C++ kernels against plain
+torch, PowerSGD's sums against a plain-torch PowerSGD on 2 real replicas, the error-feedback
+identity, warm-up, small tensors, no_sync accumulation, checkpoint resume, stats, bad
+arguments."""
+import pytest
+import torch
+
+import torchstrategy as ts
+from torchstrategy import _ops
+from torchstrategy.collectives.compression import with_compression
+from torchstrategy.collectives.error_feedback import initial_q
+from torchstrategy.collectives.stats import ReductionStats
+from tests.helpers.replicas import from_every_replica, launch
+
+STEPS = 5
+SAVE_AT = 2        # the checkpoint is taken after this step
+NO_SYNC_STEP = 3   # this step accumulates two micro-batches under no_sync first
+
+
+# -- the kernels --------------------------------------------------------------------------
+def _quantize_reference(grad, residual, chunk):
+    c = grad.float().reshape(-1) + residual
+    n = c.numel()
+    chunks = -(-n // chunk)
+    padded = torch.cat([c, c.new_zeros(chunks * chunk - n)]).view(chunks, chunk)
+    scales = padded.abs().amax(1) / 127
+    per = scales.repeat_interleave(chunk)[:n]
+    levels = torch.where(per > 0, torch.round(c / per), torch.zeros_like(c)).clamp(-127, 127)
+    return levels.to(torch.int8), scales, c - levels * per
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("n,chunk", [(1, 4), (1000, 64), (5000, 1024), (300, 7)])
+def test_quantize_kernel_matches_plain_torch(dtype, n, chunk):
+    g = torch.Generator().manual_seed(n)
+    grad = (torch.randn(n, generator=g) * 3).to(dtype)
+    if n >= 2 * chunk:
+        grad[chunk:2 * chunk] = 0   # an all-zero chunk: scale 0, levels 0
+    residual = torch.randn(n, generator=g) * 0.01
+    q_ref, s_ref, r_ref = _quantize_reference(grad, residual.clone(), chunk)
+    for op in (_ops.ef_quantize_int8, torch.ops.torchstrategy.ef_quantize_int8_reference):
+        r = residual.clone()
+        q = torch.empty(n, dtype=torch.int8)
+        s = torch.empty(-(-n // chunk))
+        op(grad, r, q, s, chunk)
+        assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+        torch.testing.assert_close(r, r_ref, rtol=0, atol=1e-6)
+        # What was sent plus what was kept is the compensated gradient.
+        torch.testing.assert_close(q.float() * s.repeat_interleave(chunk)[:n] + r,
+                                   grad.float() + residual, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_sum_matches_plain_torch(out_dtype):
+    g = torch.Generator().manual_seed(0)
+    n, chunk, replicas = 777, 100, 3
+    q = torch.randint(-127, 128, (replicas, n), generator=g).to(torch.int8)
+    scales = torch.rand(replicas, 8, generator=g)
+    expected = torch.zeros(n)
+    for r in range(replicas):
+        expected += q[r].float() * scales[r].repeat_interleave(chunk)[:n]
+    for op in (_ops.dequantize_sum, torch.ops.torchstrategy.dequantize_sum_reference):
+        out = torch.empty(n, dtype=out_dtype)
+        op(q, scales, out, chunk)
+        assert torch.equal(out, expected.to(out_dtype))
+
+
+def test_kernels_refuse_bad_shapes():
+    with pytest.raises(RuntimeError, match="residual must be a contiguous float tensor"):
+        _ops.ef_quantize_int8(torch.ones(4), torch.ones(3), torch.empty(4, dtype=torch.int8),
+                              torch.empty(1), 4)
+    with pytest.raises(RuntimeError, match="chunk must be positive"):
+        _ops.dequantize_sum(torch.zeros(1, 4, dtype=torch.int8), torch.ones(1, 1),
+                            torch.empty(4), 0)
+
+
+# -- 2 replicas ---------------------------------------------------------------------------
+def _model():
+    torch.manual_seed(0)
+    # 48x32 and 3x48: compressed at rank 2; 2x3 (2*(2+3) > 6) and the biases: not.
+    return torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Tanh(),
+                               torch.nn.Linear(48, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+
+
+def _inputs(step, replica, micro):
+    g = torch.Generator().manual_seed(1000 * step + 10 * replica + micro)
+    return torch.randn(8, 32, generator=g)
+
+
+def _train(compression, load=None):
+    """Trains STEPS steps (SGD) on 2 replicas; returns every replica's records: per step the
+    local (true) gradients and the applied (reduced) ones, the state saved after SAVE_AT,
+    the final parameters and reducer state, the stats."""
+    strategy = ts.MirroredStrategy(cross_device_ops=ts.NcclAllReduce(compression=compression))
+    r = strategy.extended.replica_id
+    with strategy.scope():
+        model = _model()
+    params = list(model.parameters())
+    optimizer = torch.optim.SGD(params, lr=0.05)
+    reducer = strategy.extended.gradient_reducer
+    start = 0
+    if load is not None:
+        model.load_state_dict(load["model"][r])
+        reducer.load_state_dict(load["reducer"][r])
+        start = load["step"]
+    records, saved = [], None
+    for step in range(start, STEPS):
+        micro = [_inputs(step, r, m) for m in range(2 if step == NO_SYNC_STEP else 1)]
+        loss = lambda x: model(x).pow(2).sum()
+        local = [sum(gs) for gs in zip(*[torch.autograd.grad(loss(x), params) for x in micro])]
+        optimizer.zero_grad()
+        if len(micro) > 1:
+            with strategy.extended.no_sync():
+                loss(micro[0]).backward()
+        loss(micro[-1]).backward()
+        records.append(([t.clone() for t in local], [p.grad.clone() for p in params],
+                        reducer.state_dict().get("residuals", {})))
+        optimizer.step()
+        if step == SAVE_AT:
+            saved = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                     "reducer": reducer.state_dict(), "step": step + 1}
+    stats = strategy.extended.stats()
+    return from_every_replica((records, saved, [p.detach().clone() for p in params],
+                               reducer.state_dict(), tuple(stats)))
+
+
+def _reference_powersgd(records, rank, warmup, seed):
+    """Plain-torch PowerSGD with error feedback (sums, local residuals, warm start)."""
+    replicas = len(records)
+    shapes = [g.shape for g in records[0][0][0]]
+    residual = {}
+    qs = {}
+    applied = []
+    for step in range(len(records[0])):
+        local = [records[r][step][0] for r in range(replicas)]
+        out = []
+        for i, shape in enumerate(shapes):
+            total = sum(local[r][i] for r in range(replicas))
+            rows = shape[0]
+            cols = total.numel() // rows
+            if step < warmup or len(shape) < 2 or rank * (rows + cols) >= rows * cols:
+                out.append(total)
+                continue
+            ms = [local[r][i].reshape(rows, cols) + residual.get((r, i), 0)
+                  for r in range(replicas)]
+            q = qs.get(i, initial_q(seed, i, cols, rank))
+            p = torch.linalg.qr(sum(m @ q for m in ms), mode="reduced").Q
+            q_locals = [m.t() @ p for m in ms]
+            for r, (m, ql) in enumerate(zip(ms, q_locals)):
+                residual[(r, i)] = m - p @ ql.t()
+            qs[i] = sum(q_locals)
+            out.append((p @ qs[i].t()).reshape(shape))
+        applied.append(out)
+    return applied
+
+
+@pytest.fixture(scope="module")
+def powersgd_run():
+    return launch(_train, ts.PowerSGD(rank=2, warmup_steps=1, seed=3), n=2)
+
+
+@pytest.fixture(scope="module")
+def int8_run():
+    return launch(_train, ts.Int8(chunk_size=64), n=2)
+
+
+def _check_error_feedback_identity(run):
+    """Applied sums over steps plus every replica's final residual = true sums over steps."""
+    records = [rec for rec, *_ in run]
+    residuals = [state["residuals"] for *_, state, _ in run]
+    n_params = len(records[0][0][0])
+    for i in range(n_params):
+        true = sum(records[r][t][0][i] for r in range(len(run)) for t in range(STEPS))
+        applied = sum(records[0][t][1][i] for t in range(STEPS))
+        kept = sum(res[i].reshape(true.shape) for res in residuals if i in res)
+        torch.testing.assert_close(applied + kept, true, rtol=0, atol=2e-4)
+
+
+def test_powersgd_equals_plain_torch_powersgd_on_2_replicas(powersgd_run):
+    records = [rec for rec, *_ in powersgd_run]
+    reference = _reference_powersgd(records, rank=2, warmup=1, seed=3)
+    for step in range(STEPS):
+        for r in range(2):   # every replica applies the same gradient
+            for got, want in zip(records[r][step][1], reference[step]):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_powersgd_warmup_and_small_tensors_are_exact_sums(powersgd_run):
+    records = [rec for rec, *_ in powersgd_run]
+    for step in range(STEPS):
+        exact = [a + b for a, b in zip(records[0][step][0], records[1][step][0])]
+        applied = records[0][step][1]
+        # Step 0 is warm-up: every gradient is the plain all-reduce's sum, bit for bit.
+        # Afterwards the biases and the 2x3 matrix still are; the two large matrices not.
+        plain = range(6) if step == 0 else (1, 3, 4, 5)
+        for i in plain:
+            assert torch.equal(applied[i], exact[i]), (step, i)
+        if step > 0:
+            assert not torch.allclose(applied[0], exact[0], atol=1e-3)
+
+
+def test_powersgd_error_feedback_keeps_what_was_not_sent(powersgd_run):
+    _check_error_feedback_identity(powersgd_run)
+    state = powersgd_run[0][3]
+    assert state["step"] == STEPS   # one synchronised backward a step; no_sync ones not counted
+    assert sorted(state["q"]) == [0, 2] and state["q"][0].shape == (32, 2)
+
+
+def test_int8_error_feedback_keeps_what_was_not_sent(int8_run):
+    _check_error_feedback_identity(int8_run)
+    records = [rec for rec, *_ in int8_run]
+    previous = [{}, {}]
+    for step in range(STEPS):
+        # Each step applies what the replicas sent: their gradient plus the residual they
+        # kept, minus the residual they keep now.
+        compensated = []
+        for r in range(2):
+            local, _, residual = records[r][step]
+            compensated.append([g + previous[r].get(i, torch.zeros(g.numel())).view(g.shape)
+                                for i, g in enumerate(local)])
+            sent = [c - residual[i].view(c.shape) for i, c in enumerate(compensated[r])]
+            if r == 0:
+                total = sent
+            else:
+                total = [a + b for a, b in zip(total, sent)]
+            # Rounding to 8 bits leaves at most half a level: max|c| / 254 in the bucket.
+            largest = max(c.abs().max() for c in compensated[r])
+            assert max(v.abs().max() for v in residual.values()) <= largest / 254 * 1.0001
+            previous[r] = residual
+        for got, want in zip(records[0][step][1], total):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_stats_count_the_bytes_sent(powersgd_run, int8_run):
+    fields = ReductionStats._fields
+    p = dict(zip(fields, powersgd_run[0][4]))
+    # The last step: one flat buffer (biases, the 2x3 matrix, 6 flags), P (48x2 + 3x2) and
+    # Q (32x2 + 48x2), all float32.
+    assert p["bytes_reduced"] == 4 * ((48 + 3 + 6 + 2 + 6) + (96 + 6) + (64 + 96))
+    assert p["compression"] == repr(ts.PowerSGD(rank=2, warmup_steps=1, seed=3))
+    assert p["compression_ratio"] > 4
+    q = dict(zip(fields, int8_run[0][4]))
+    assert 3.5 < q["compression_ratio"] < 4
+
+
+def _resume(compression, saved):
+    return launch(_train, compression, saved, n=2)
+
+
+@pytest.mark.parametrize("which", ["powersgd", "int8"])
+def test_checkpoint_resume_equals_uninterrupted_run(which, powersgd_run, int8_run):
+    run, compression = {"powersgd": (powersgd_run, ts.PowerSGD(rank=2, warmup_steps=1, seed=3)),
+                        "int8": (int8_run, ts.Int8(chunk_size=64))}[which]
+    saved = {"model": [s["model"] for _, s, *_ in run],
+             "reducer": [s["reducer"] for _, s, *_ in run], "step": run[0][1]["step"]}
+    resumed = _resume(compression, saved)
+    for r in range(2):
+        for a, b in zip(resumed[r][2], run[r][2]):
+            assert torch.equal(a, b)
+
+
+# -- bad arguments ------------------------------------------------------------------------
+def test_bad_arguments_are_refused_clearly():
+    with pytest.raises(ValueError, match="PowerSGD rank must be an int >= 1"):
+        ts.PowerSGD(rank=0)
+    with pytest.raises(ValueError, match="PowerSGD warmup_steps must be an int >= 0"):
+        ts.PowerSGD(warmup_steps=-1)
+    with pytest.raises(ValueError, match="Int8 chunk_size must be an int >= 1"):
+        ts.Int8(chunk_size=0)
+    with pytest.raises(ValueError, match="Int8 warmup_steps"):
+        ts.Int8(warmup_steps=-2)
+    with pytest.raises(ValueError, match=r"ts.PowerSGD\(rank=...\) or ts.Int8\(\)"):
+        ts.CommunicationOptions(compression="int8")
+    with pytest.raises(ValueError, match="cannot run with cross_device_ops=Reduction"):
+        with_compression(ts.ReductionToOneDevice(), ts.PowerSGD(rank=2))
+    with pytest.raises(ValueError, match="cannot run with cross_device_ops=Hierarchical"):
+        with_compression(ts.HierarchicalCopyAllReduce(), ts.Int8())
+    assert ts.CommunicationOptions(compression=ts.PowerSGD(rank=4)).compression == \
+        ts.PowerSGD(rank=4)
