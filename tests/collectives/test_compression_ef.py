@@ -259,6 +259,39 @@ def test_checkpoint_resume_equals_uninterrupted_run(which, powersgd_run, int8_ru
             assert torch.equal(a, b)
 
 
+def _bf16_mean(compression):
+    """bf16 parameters, the mean loss averaged over replicas (ts.scale_mean_loss)."""
+    strategy = ts.MirroredStrategy(cross_device_ops=ts.NcclAllReduce(compression=compression))
+    r = strategy.extended.replica_id
+    with strategy.scope():
+        model = _model().to(torch.bfloat16)
+    params = list(model.parameters())
+    records = []
+    for step in range(3):
+        x = _inputs(step, r, 0).to(torch.bfloat16)
+        loss = lambda: model(x).float().pow(2).mean()
+        local = torch.autograd.grad(loss(), params)
+        model.zero_grad()
+        ts.scale_mean_loss(loss()).backward()
+        records.append(([g.float() for g in local], [p.grad.float() for p in params],
+                        [p.grad.dtype for p in params]))
+    state = strategy.extended.gradient_reducer.state_dict()
+    return from_every_replica((records, state["residuals"]))
+
+
+@pytest.mark.parametrize("compression", [ts.PowerSGD(rank=2), ts.Int8(chunk_size=64)])
+def test_bf16_gradients_and_mean_loss(compression):
+    run = launch(_bf16_mean, compression, n=2)
+    for i in range(6):
+        assert run[0][0][0][2][i] == torch.bfloat16   # .grad stays in the parameters' dtype
+        mean = sum(run[r][0][t][0][i] for r in range(2) for t in range(3)) / 2
+        applied = sum(run[0][0][t][1][i] for t in range(3))
+        # Each replica's part was divided by 2 before compression: the residuals too.
+        kept = sum(res[i].view(mean.shape) for _, res in run if i in res)
+        scale = mean.abs().max().item()
+        torch.testing.assert_close(applied + kept, mean, rtol=0, atol=0.02 * scale + 1e-3)
+
+
 # -- bad arguments ------------------------------------------------------------------------
 def test_bad_arguments_are_refused_clearly():
     with pytest.raises(ValueError, match="PowerSGD rank must be an int >= 1"):
