@@ -302,7 +302,7 @@ def test_bad_arguments_are_refused_clearly():
         ts.Int8(chunk_size=0)
     with pytest.raises(ValueError, match="Int8 warmup_steps"):
         ts.Int8(warmup_steps=-2)
-    with pytest.raises(ValueError, match=r"ts.PowerSGD\(rank=...\) or ts.Int8\(\)"):
+    with pytest.raises(ValueError, match=r"or ts.PowerSGD\(rank=...\) / ts.Int8\(\)"):
         ts.CommunicationOptions(compression="int8")
     with pytest.raises(ValueError, match="cannot run with cross_device_ops=Reduction"):
         with_compression(ts.ReductionToOneDevice(), ts.PowerSGD(rank=2))

@@ -136,8 +136,9 @@ def check_compression(compression: Compression) -> Compression:
     if compression is None or isinstance(compression, ErrorFeedback) or \
             (isinstance(compression, str) and compression in _WIRE_DTYPES):
         return compression
-    raise ValueError(f"compression must be None, 'bf16', 'fp16', ts.PowerSGD(rank=...) or "
-                     f"ts.Int8(), got {compression!r}.")
+    raise ValueError(f"compression must be None, 'bf16' or 'fp16' (a wire dtype), or "
+                     f"ts.PowerSGD(rank=...) / ts.Int8() (error feedback), got "
+                     f"{compression!r}.")
 
 
 def wire_dtype(compression: Compression, dtype: torch.dtype) -> torch.dtype | None:
