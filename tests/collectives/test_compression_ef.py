@@ -308,5 +308,9 @@ def test_bad_arguments_are_refused_clearly():
         with_compression(ts.ReductionToOneDevice(), ts.PowerSGD(rank=2))
     with pytest.raises(ValueError, match="cannot run with cross_device_ops=Hierarchical"):
         with_compression(ts.HierarchicalCopyAllReduce(), ts.Int8())
+    with pytest.raises(ValueError, match="does not split them into packs; leave num_packs=1"):
+        ts.NcclAllReduce(num_packs=2, compression=ts.Int8())
+    with pytest.raises(ValueError, match="does not split them into packs; leave num_packs=1"):
+        with_compression(ts.NcclAllReduce(num_packs=2), ts.PowerSGD())
     assert ts.CommunicationOptions(compression=ts.PowerSGD(rank=4)).compression == \
         ts.PowerSGD(rank=4)

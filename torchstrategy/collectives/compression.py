@@ -189,3 +189,8 @@ def check_runs_error_feedback(cross_device_ops: Any, compression: Compression) -
             f"{cross_device_ops!r}: error-feedback compression runs its own collectives "
             "over the process group in place of that algorithm. Use the default "
             "ts.NcclAllReduce() (ts.NcclAllReduce(compression=...)), or compression='bf16'.")
+    if isinstance(compression, ErrorFeedback) and getattr(cross_device_ops, "num_packs", 1) != 1:
+        raise ValueError(
+            f"compression={compression!r} with cross_device_ops={cross_device_ops!r}: "
+            "error-feedback compression sends its own (much smaller) buffers and does not "
+            "split them into packs; leave num_packs=1.")

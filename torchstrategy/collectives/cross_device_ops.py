@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from torchstrategy import context
-from torchstrategy.collectives.compression import Compression, check_compression
+from torchstrategy.collectives.compression import (Compression, ErrorFeedback,
+                                                   check_compression)
 from torchstrategy.communication_options import CommunicationOptions
 from torchstrategy.reduce_op import ReduceOp, as_reduce_op
 
@@ -179,6 +180,11 @@ class NcclAllReduce(CrossDeviceOps):
             raise ValueError(f"num_packs must be a positive int, got {num_packs!r}.")
         self.num_packs = num_packs
         self.compression = check_compression(compression)
+        if isinstance(self.compression, ErrorFeedback) and num_packs != 1:
+            raise ValueError(
+                f"NcclAllReduce(num_packs={num_packs}, compression={self.compression!r}): "
+                "error-feedback compression sends its own (much smaller) buffers and does "
+                "not split them into packs; leave num_packs=1.")
 
     def all_reduce_async(self, flat: torch.Tensor, group: dist.ProcessGroup | None
                          ) -> Pending:
