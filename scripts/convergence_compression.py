@@ -1,12 +1,14 @@
 """Convergence under gradient compression: a small GPT trained on 2 replicas (gloo, CPU)
-with the default reduction, bf16 on the wire, ts.PowerSGD(rank=4) and ts.Int8(), same seed,
+with the default reduction, bf16 on the wire, ts.PowerSGD(rank=4) (from the first step, and
+after ``--warmup`` uncompressed steps) and ts.Int8(), same seed,
 same data, same number of steps; prints the final validation losses side by side and
 writes the loss curves (JSON, and a PNG when matplotlib is installed).
 
 Corpus: the Python standard library's own source files (``sysconfig.get_paths()["stdlib"]``,
 the ``*.py`` files directly in it, sorted by name), as bytes (vocabulary 256); the first
 90 % of the bytes train, the last 10 % validate. Model: a decoder-only transformer
-(``--layers`` 2, ``--width`` 128, 4 heads, context 64), AdamW, the mean loss averaged over
+(``--layers`` 2, ``--width`` 128, 4 heads, context 64), AdamW (or ``--optimizer sgd``:
+SGD with momentum 0.9, as PowerSGD's paper), the mean loss averaged over
 replicas with ``ts.scale_mean_loss``. Validation: the mean loss over a fixed set of
 windows. Sized to run in minutes on a loaded 2-core machine.
 
@@ -80,6 +82,7 @@ def windows(data: torch.Tensor, starts: torch.Tensor, context: int
 
 def train(name: str, args: argparse.Namespace) -> dict:
     compression = {"none": None, "bf16": "bf16", "powersgd": ts.PowerSGD(rank=4),
+                   "powersgd-warmup": ts.PowerSGD(rank=4, warmup_steps=args.warmup),
                    "int8": ts.Int8()}[name]
     torch.set_num_threads(1)
     strategy = ts.MirroredStrategy(cross_device_ops=ts.NcclAllReduce(compression=compression))
@@ -90,7 +93,10 @@ def train(name: str, args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     with strategy.scope():
         model = GPT(args.layers, args.width, args.context)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        if args.optimizer == "adamw":
+            optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        else:   # PowerSGD's paper trains with SGD and momentum
+            optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     val_gen = torch.Generator().manual_seed(1234)
     val_starts = torch.randint(0, len(val_data) - args.context - 1, (256,), generator=val_gen)
     vx, vy = windows(val_data, val_starts, args.context)
@@ -128,10 +134,13 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16, help="sequences per replica")
+    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--corpus-bytes", type=int, default=4_000_000)
-    parser.add_argument("--runs", default="none,bf16,powersgd,int8")
+    parser.add_argument("--warmup", type=int, default=100,
+                        help="uncompressed steps first, for the powersgd-warmup run")
+    parser.add_argument("--runs", default="none,bf16,powersgd,powersgd-warmup,int8")
     parser.add_argument("--json", default=None, help="write the curves here")
     parser.add_argument("--plot", default=None, help="write the PNG plot here")
     args = parser.parse_args()
@@ -141,7 +150,7 @@ def main() -> None:
         result = ts.launch(train, name, args, num_replicas=2, timeout_seconds=600)
         result["wall_seconds"] = time.perf_counter() - wall
         results.append(result)
-        print(f"{name:9s} final val loss {result['curve'][-1][1]:.4f}  "
+        print(f"{name:15s} final val loss {result['curve'][-1][1]:.4f}  "
               f"bytes/step/replica {result['bytes']:>9d}  ratio {result['ratio']:5.1f}  "
               f"wall {result['wall_seconds']:.0f}s", flush=True)
     base = results[0]["curve"][-1][1]
@@ -150,7 +159,7 @@ def main() -> None:
           f"replicas, {args.steps} steps")
     for r in results:
         final = r["curve"][-1][1]
-        print(f"{r['name']:9s} {final:.4f}  vs {results[0]['name']}: "
+        print(f"{r['name']:15s} {final:.4f}  vs {results[0]['name']}: "
               f"{100 * (final - base) / base:+.2f} %")
     if args.json:
         with open(args.json, "w") as f:
