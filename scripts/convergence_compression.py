@@ -12,7 +12,8 @@ SGD with momentum 0.9, as PowerSGD's paper), the mean loss averaged over
 replicas with ``ts.scale_mean_loss``. Validation: the mean loss over a fixed set of
 windows. Sized to run in minutes on a loaded 2-core machine.
 
-    .venv/bin/python scripts/convergence_compression.py --steps 1000 \\
+    .venv/bin/python scripts/convergence_compression.py \\
+        --json docs/images/compression_convergence.json \\
         --plot docs/images/compression_convergence.png
 """
 from __future__ import annotations
@@ -81,8 +82,8 @@ def windows(data: torch.Tensor, starts: torch.Tensor, context: int
 
 
 def train(name: str, args: argparse.Namespace) -> dict:
-    compression = {"none": None, "bf16": "bf16", "powersgd": ts.PowerSGD(rank=4),
-                   "powersgd-warmup": ts.PowerSGD(rank=4, warmup_steps=args.warmup),
+    compression = {"none": None, "bf16": "bf16", "powersgd": ts.PowerSGD(rank=args.rank),
+                   "powersgd-warmup": ts.PowerSGD(rank=args.rank, warmup_steps=args.warmup),
                    "int8": ts.Int8()}[name]
     torch.set_num_threads(1)
     strategy = ts.MirroredStrategy(cross_device_ops=ts.NcclAllReduce(compression=compression))
@@ -138,12 +139,19 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--corpus-bytes", type=int, default=4_000_000)
+    parser.add_argument("--rank", type=int, default=4, help="PowerSGD's rank")
     parser.add_argument("--warmup", type=int, default=100,
                         help="uncompressed steps first, for the powersgd-warmup run")
     parser.add_argument("--runs", default="none,bf16,powersgd,powersgd-warmup,int8")
     parser.add_argument("--json", default=None, help="write the curves here")
     parser.add_argument("--plot", default=None, help="write the PNG plot here")
+    parser.add_argument("--replot", default=None,
+                        help="only redraw --plot from a JSON written by --json")
     args = parser.parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            plot(json.load(f)["results"], args.plot)
+        return
     results = []
     for name in args.runs.split(","):
         wall = time.perf_counter()
@@ -165,22 +173,28 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)
     if args.plot:
-        import matplotlib  # optional dependency (scripts/setup.sh installs it)
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for r in results:
-            steps, losses = zip(*r["curve"])
-            ax.plot(steps, losses, label=f"{r['name']} (final {losses[-1]:.3f}, "
-                                         f"{r['ratio']:.0f}x fewer bytes)")
-        ax.set_xlabel("step")
-        ax.set_ylabel("validation loss (nats/byte)")
-        ax.set_title(f"Byte-level GPT on the stdlib sources, 2 replicas "
-                     f"({results[0]['params'] / 1e6:.2f}M parameters)")
-        ax.set_ylim(top=min(max(r["curve"][1][1] for r in results) + 0.2, math.log(256)))
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=110)
+        plot(results, args.plot)
+
+
+def plot(results: list, path: str) -> None:
+    """The validation curves side by side; bytes relative to the first run's."""
+    import matplotlib  # optional dependency (scripts/setup.sh installs it)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r, style in zip(results, ["-", "--", "-", "-", ":", "-."]):
+        steps, losses = zip(*r["curve"])
+        fewer = results[0]["bytes"] / r["bytes"]
+        ax.plot(steps, losses, style, label=f"{r['name']} (final {losses[-1]:.3f}, "
+                                            f"{fewer:.1f}x fewer bytes)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss (nats/byte)")
+    ax.set_title(f"Byte-level GPT on the stdlib sources, 2 replicas "
+                 f"({results[0]['params'] / 1e6:.2f}M parameters)")
+    ax.set_ylim(top=min(max(r["curve"][1][1] for r in results) + 0.2, math.log(256)))
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
