@@ -2,6 +2,11 @@
 torch, PowerSGD's sums against a plain-torch PowerSGD on 2 real replicas, the error-feedback
 identity, warm-up, small tensors, no_sync accumulation, checkpoint resume, stats, bad
 arguments."""
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -314,3 +319,21 @@ def test_bad_arguments_are_refused_clearly():
         with_compression(ts.NcclAllReduce(num_packs=2), ts.PowerSGD())
     assert ts.CommunicationOptions(compression=ts.PowerSGD(rank=4)).compression == \
         ts.PowerSGD(rank=4)
+
+
+# -- the convergence script ---------------------------------------------------------------
+def test_convergence_script_quick_run(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "curves.json"
+    result = subprocess.run(
+        [sys.executable, os.path.join(root, "scripts", "convergence_compression.py"),
+         "--steps", "4", "--eval-every", "2", "--corpus-bytes", "100000",
+         "--runs", "none,powersgd", "--json", str(out)],
+        cwd=root, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "powersgd        " in result.stdout and "vs none:" in result.stdout
+    runs = json.loads(out.read_text())["results"]
+    assert [r["name"] for r in runs] == ["none", "powersgd"]
+    assert [step for step, _ in runs[1]["curve"]] == [0, 2, 4]
+    assert runs[0]["curve"][0] == runs[1]["curve"][0]   # same seed: same starting model
+    assert runs[1]["ratio"] > 10 and runs[0]["bytes"] > 10 * runs[1]["bytes"]
