@@ -119,14 +119,14 @@ def _train(compression, load=None):
                 loss(micro[0]).backward()
         loss(micro[-1]).backward()
         records.append(([t.clone() for t in local], [p.grad.clone() for p in params],
-                        reducer.state_dict().get("residuals", {})))
+                        reducer.state_dict()["error_feedback"][r]["residuals"]))
         optimizer.step()
         if step == SAVE_AT:
             saved = {"model": {k: v.clone() for k, v in model.state_dict().items()},
                      "reducer": reducer.state_dict(), "step": step + 1}
     stats = strategy.extended.stats()
     return from_every_replica((records, saved, [p.detach().clone() for p in params],
-                               reducer.state_dict(), tuple(stats)))
+                               reducer.state_dict()["error_feedback"][r], tuple(stats)))
 
 
 def _reference_powersgd(records, rank, warmup, seed):
@@ -257,7 +257,7 @@ def test_checkpoint_resume_equals_uninterrupted_run(which, powersgd_run, int8_ru
     run, compression = {"powersgd": (powersgd_run, ts.PowerSGD(rank=2, warmup_steps=1, seed=3)),
                         "int8": (int8_run, ts.Int8(chunk_size=64))}[which]
     saved = {"model": [s["model"] for _, s, *_ in run],
-             "reducer": [s["reducer"] for _, s, *_ in run], "step": run[0][1]["step"]}
+             "reducer": [run[0][1]["reducer"]] * 2, "step": run[0][1]["step"]}
     resumed = _resume(compression, saved)
     for r in range(2):
         for a, b in zip(resumed[r][2], run[r][2]):
@@ -280,7 +280,7 @@ def _bf16_mean(compression):
         ts.scale_mean_loss(loss()).backward()
         records.append(([g.float() for g in local], [p.grad.float() for p in params],
                         [p.grad.dtype for p in params]))
-    state = strategy.extended.gradient_reducer.state_dict()
+    state = strategy.extended.gradient_reducer.state_dict()["error_feedback"][r]
     return from_every_replica((records, state["residuals"]))
 
 
@@ -295,6 +295,44 @@ def test_bf16_gradients_and_mean_loss(compression):
         kept = sum(res[i].view(mean.shape) for _, res in run if i in res)
         scale = mean.abs().max().item()
         torch.testing.assert_close(applied + kept, mean, rtol=0, atol=0.02 * scale + 1e-3)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _backup_run(directory, stop_at):
+    """6 steps under ts.BackupAndRestore tracking the reducer; stops before global step
+    `stop_at` (a preemption) or returns every replica's final parameters."""
+    strategy = ts.MirroredStrategy(
+        cross_device_ops=ts.NcclAllReduce(compression=ts.PowerSGD(rank=2)))
+    r = strategy.extended.replica_id
+    with strategy.scope():
+        model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    backup = ts.BackupAndRestore(directory, save_freq=2)
+    backup.track(model=model, optimizer=optimizer,
+                 reducer=strategy.extended.gradient_reducer)
+    try:
+        for _ in backup.epochs(1):
+            for _, i in backup.steps(list(range(6))):
+                if backup.global_step == stop_at:
+                    raise _Stop()
+                optimizer.zero_grad()
+                model(_inputs(i, r, 0)).pow(2).sum().backward()
+                optimizer.step()
+    except _Stop:
+        return None
+    return from_every_replica([p.detach().clone() for p in model.parameters()])
+
+
+def test_backup_and_restore_resumes_exactly(tmp_path):
+    uninterrupted = launch(_backup_run, str(tmp_path / "a"), None, n=2)
+    assert launch(_backup_run, str(tmp_path / "b"), 4, n=2) is None
+    resumed = launch(_backup_run, str(tmp_path / "b"), None, n=2)
+    for r in range(2):
+        for a, b in zip(resumed[r], uninterrupted[r]):
+            assert torch.equal(a, b)
 
 
 # -- bad arguments ------------------------------------------------------------------------

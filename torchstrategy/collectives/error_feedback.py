@@ -29,7 +29,9 @@ A parameter no replica contributed (flag sum 0) keeps its residual for later; it
 is left as it was by the core.
 
 The state (step counter, residuals, Q matrices) is per replica: residuals differ between
-replicas. `ErrorFeedbackReducer.state_dict` returns this replica's.
+replicas. `ErrorFeedbackReducer.state_dict` returns this replica's; the reducer's
+``state_dict`` gathers every replica's, so that a checkpoint written by the chief holds
+them all.
 """
 from __future__ import annotations
 

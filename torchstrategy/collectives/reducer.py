@@ -272,19 +272,23 @@ class GradientReducer:
 
     # -- error-feedback state -----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """This replica's error-feedback compression state (residuals, PowerSGD's Q
-        matrices, the step counter); empty without error-feedback compression. Residuals
-        differ between replicas: save every replica's to resume exactly."""
+        """The error-feedback compression state of every replica (residuals differ between
+        replicas): ``{"error_feedback": [replica 0's, replica 1's, ...]}``, each with the
+        step counter, the residuals and PowerSGD's Q matrices keyed by parameter
+        registration index; ``{}`` without error-feedback compression. A collective under
+        compression (every replica calls it at the same point), so that a checkpoint
+        written by the chief alone (``ts.BackupAndRestore(...).track(reducer=...)``) holds
+        them all."""
         if self._error_feedback is None:
             return {}
-        return self._error_feedback.state_dict()
+        return {"error_feedback": self._comm.gather_objects(self._error_feedback.state_dict())}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores what `state_dict` returned on this replica.
+        """Restores this replica's part of what `state_dict` returned.
 
         Raises:
-          ValueError: a non-empty state without error-feedback compression, or one saved
-            under another compression.
+          ValueError: a non-empty state without error-feedback compression, a state saved
+            with another number of replicas, or under another compression.
         """
         if self._error_feedback is None:
             if state:
@@ -292,7 +296,15 @@ class GradientReducer:
                                  "its state_dict is empty. Create the strategy with "
                                  "compression=ts.PowerSGD(...) / ts.Int8() to load one.")
             return
-        self._error_feedback.load_state_dict(state)
+        replicas = state.get("error_feedback") if isinstance(state, dict) else None
+        if not isinstance(replicas, list) or len(replicas) != self._comm.world_size:
+            count = len(replicas) if isinstance(replicas, list) else "no"
+            raise ValueError(
+                f"This error-feedback state holds {count} replicas' residuals; this run has "
+                f"{self._comm.world_size} replicas. Resume with the same number of replicas, "
+                "or do not load the reducer's state (compression restarts from zero "
+                "residuals).")
+        self._error_feedback.load_state_dict(replicas[self._comm.rank])
 
     # -- averaging ----------------------------------------------------------------------
     def average_this_backward(self) -> bool:
