@@ -13,7 +13,7 @@ import torch
 import torchstrategy as ts
 from torchstrategy import _ops
 from torchstrategy.collectives.compression import with_compression
-from torchstrategy.collectives.error_feedback import initial_q
+from torchstrategy.collectives.error_feedback import ErrorFeedbackReducer, initial_q
 from torchstrategy.collectives.stats import ReductionStats
 from tests.helpers.replicas import from_every_replica, launch
 
@@ -280,19 +280,26 @@ def _bf16_mean(compression):
         ts.scale_mean_loss(loss()).backward()
         records.append(([g.float() for g in local], [p.grad.float() for p in params],
                         [p.grad.dtype for p in params]))
-    state = strategy.extended.gradient_reducer.state_dict()["error_feedback"][r]
-    return from_every_replica((records, state["residuals"]))
+    reducer = strategy.extended.gradient_reducer
+    state = reducer.state_dict()["error_feedback"][r]
+    try:   # one replica's state where there are two
+        reducer.load_state_dict({"error_feedback": [state]})
+        refusal = None
+    except ValueError as error:
+        refusal = str(error)
+    return from_every_replica((records, state["residuals"], refusal))
 
 
 @pytest.mark.parametrize("compression", [ts.PowerSGD(rank=2), ts.Int8(chunk_size=64)])
 def test_bf16_gradients_and_mean_loss(compression):
     run = launch(_bf16_mean, compression, n=2)
+    assert "holds 1 replicas' residuals; this run has 2 replicas" in run[0][2]
     for i in range(6):
         assert run[0][0][0][2][i] == torch.bfloat16   # .grad stays in the parameters' dtype
         mean = sum(run[r][0][t][0][i] for r in range(2) for t in range(3)) / 2
         applied = sum(run[0][0][t][1][i] for t in range(3))
         # Each replica's part was divided by 2 before compression: the residuals too.
-        kept = sum(res[i].view(mean.shape) for _, res in run if i in res)
+        kept = sum(res[i].view(mean.shape) for _, res, _ in run if i in res)
         scale = mean.abs().max().item()
         torch.testing.assert_close(applied + kept, mean, rtol=0, atol=0.02 * scale + 1e-3)
 
@@ -375,3 +382,13 @@ def test_convergence_script_quick_run(tmp_path):
     assert [step for step, _ in runs[1]["curve"]] == [0, 2, 4]
     assert runs[0]["curve"][0] == runs[1]["curve"][0]   # same seed: same starting model
     assert runs[1]["ratio"] > 10 and runs[0]["bytes"] > 10 * runs[1]["bytes"]
+
+
+def test_a_state_saved_under_another_compression_is_refused():
+    int8 = ErrorFeedbackReducer(ts.Int8(), lambda: [], lambda: [])
+    powersgd = ErrorFeedbackReducer(ts.PowerSGD(rank=2), lambda: [], lambda: [])
+    with pytest.raises(ValueError, match=r"saved with compression=PowerSGD\(rank=2.*runs "
+                                         r"Int8\(chunk_size=1024"):
+        int8.load_state_dict(powersgd.state_dict())
+    int8.load_state_dict(ErrorFeedbackReducer(ts.Int8(), lambda: [], lambda: []).state_dict())
+    assert int8.step == 0
