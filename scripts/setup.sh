@@ -37,6 +37,18 @@ if [ ! -f "$build_stamp" ] || [ "$(cat "$build_stamp")" != "$sources_hash" ] \
   echo "$sources_hash" > "$build_stamp"
 fi
 
+# SLURM daemons and client, for tests that start a private one-node cluster: only where
+# root and apt-get are available; a failure here never fails set-up (those tests skip).
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  if ! command -v slurmctld >/dev/null 2>&1; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+        --no-install-recommends slurmctld slurmd slurm-client munge; } \
+      || echo "setup.sh: apt-get could not install SLURM; the SLURM tests will skip"
+  fi
+else
+  echo "setup.sh: not root or no apt-get; SLURM not installed, the SLURM tests will skip"
+fi
+
 # The xla environment (TPUStrategy on XLA:CPU, its own venv): scripts/setup_xla.sh.
 # SKIP_XLA=1 skips it.
 if [ "${SKIP_XLA:-0}" != 1 ]; then
