@@ -29,6 +29,7 @@ from torchstrategy.communication_options import (CommunicationImplementation,
 from torchstrategy.collectives.cross_device_ops import (CrossDeviceOps, NcclAllReduce,
                                                         ReductionToOneDevice)
 from torchstrategy.collectives.compression import Int8, PowerSGD
+from torchstrategy.collectives.autotune import AutotuneResult, BucketAutotuner
 from torchstrategy.context import (experimental_set_strategy, get_cross_replica_context,
                                    get_replica_context, get_strategy, has_strategy,
                                    in_cross_replica_context)
@@ -72,8 +73,10 @@ def __getattr__(name):
     raise AttributeError(f"module 'torchstrategy' has no attribute {name!r}")
 
 __all__ = [  # one name a line, sorted: adding a name touches one line
+    "AutotuneResult",
     "BackupAndRestore",
     "BackupAndRestoreCallback",
+    "BucketAutotuner",
     "CentralStorageStrategy",
     "ClusterCoordinator",
     "ClusterResolver",

@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -134,15 +134,21 @@ class GradientReducer:
             if reducer is not None:
                 reducer._finalize()
 
-        make = lambda process_group: _ops.make_reducer(
-            int(bucket_cap_bytes), int(first_bucket_bytes), communicator.world_size,
+        make = lambda process_group, cap=bucket_cap_bytes, first=first_bucket_bytes: \
+            _ops.make_reducer(int(cap), int(first), communicator.world_size,
             wire, process_group, launcher, communicator.group, communicator.hold, finalize)
         process_group = None if self._error_feedback is not None else \
             _process_group_for_cpp(cross_device_ops, communicator.group)
         try:
             self._core: Any = make(process_group)  # torchstrategy._C.Reducer; None once closed
         except (RuntimeError, TypeError):  # a process group C++ cannot take: via Python
+            process_group = None
             self._core = make(None)
+        # `rebucket` builds another core the same way (autotune.py's search).
+        self._make_core = lambda cap, first: make(process_group, cap, first)
+        self._first_cap = int(first_bucket_bytes)
+        self._earlier_steps = 0   # synchronised steps of cores `rebucket` replaced
+        self._after_sync: list[Callable[[], None]] = []
 
     def close(self) -> None:
         """Drops the C++ core (and with it its reference to the process group); called by
@@ -186,6 +192,36 @@ class GradientReducer:
         order += [i for i in reversed(range(len(self._params))) if i not in seen]
         (agreed,) = self._comm.broadcast_([torch.tensor(order, dtype=torch.int64)], src=0)
         self._core.build(agreed.tolist())
+
+    def rebucket(self, bucket_cap_bytes: int, first_bucket_bytes: int | None = None) -> None:
+        """Re-buckets the registered parameters with new caps, keeping the bucket (launch)
+        order. Each gradient element is still summed on its own, so the results do not
+        change with the caps (bit for bit with 2 replicas; see docs/gradient_reduction.md).
+        Every replica must call it with the same caps, between backward passes. Gradients
+        living in the old buckets stay valid; the next synchronised backward moves them
+        into the new ones."""
+        first = self._first_cap if first_bucket_bytes is None else int(first_bucket_bytes)
+        if bucket_cap_bytes <= 0 or first <= 0:
+            raise ValueError(f"rebucket: caps must be positive, got bucket_cap_bytes="
+                             f"{bucket_cap_bytes}, first_bucket_bytes={first_bucket_bytes}.")
+        old = self._core
+        core = self._make_core(int(bucket_cap_bytes), first)
+        if self._params:
+            core.add_parameters(self._params)
+            core.build(old.bucket_order())
+        core.set_sync(old.sync())
+        self._earlier_steps += old.stats()[3]
+        self._core, self._cap, self._first_cap = core, int(bucket_cap_bytes), first
+
+    def on_synced_step(self, callback: Callable[[], None]) -> None:
+        """Calls `callback()` at the end of every synchronised backward, after the
+        all-reduces finished (on every replica: it may run collectives)."""
+        self._after_sync.append(callback)
+
+    @property
+    def communicator(self) -> Communicator:
+        """The `Communicator` the reducer's collectives run on."""
+        return self._comm
 
     # -- inspection ---------------------------------------------------------------------
     @property
@@ -247,8 +283,8 @@ class GradientReducer:
         return ReductionStats(bytes_reduced=bytes_reduced, num_buckets=buckets,
                               num_parameters=len(self._params),
                               exposed_communication_seconds=waited,
-                              compression=compression, steps=steps,
-                              compression_ratio=ratio)
+                              compression=compression, steps=steps + self._earlier_steps,
+                              compression_ratio=ratio, bucket_cap_bytes=self._cap)
 
     def _bucket_slots(self) -> list[BucketSlots]:
         """Where each parameter lives in its bucket's flat buffer, bucket by bucket in
@@ -346,3 +382,6 @@ class GradientReducer:
         arrival = self._core.take_arrival()
         if arrival is not None:
             self._rebuild_from_arrival(arrival)
+        if synced:
+            for callback in list(self._after_sync):
+                callback()

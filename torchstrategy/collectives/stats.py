@@ -18,6 +18,7 @@ class ReductionStats(typing.NamedTuple):
       steps: synchronised backward passes so far.
       compression_ratio: under error-feedback compression (ts.PowerSGD, ts.Int8), the
         buckets' bytes over the bytes sent; 1.0 otherwise.
+      bucket_cap_bytes: the largest bucket now (`ts.BucketAutotuner` may have chosen it).
     """
 
     bytes_reduced: int = 0
@@ -27,3 +28,4 @@ class ReductionStats(typing.NamedTuple):
     compression: typing.Optional[str] = None
     steps: int = 0
     compression_ratio: float = 1.0
+    bucket_cap_bytes: int = 0
