@@ -1,0 +1,587 @@
+"""Gradient sync and training steps on a shaped network: torchstrategy vs. DDP, 2 replicas.
+
+Between machines, gradient sync is bound by the network. This benchmark makes one on a
+single machine: it re-executes itself in a private user and network namespace
+(``unshare -rn``: no root needed), brings the namespace's loopback up and limits it to
+``--rate`` Gbit/s with a token-bucket filter (``tc qdisc add dev lo root tbf ...``). Both
+replicas (gloo, CPU) talk over that loopback, so both directions of the ring share the
+rate: a link of R Gbit/s here carries what a full-duplex R/2 Gbit/s link between two
+machines would. It refuses with the reason where ``unshare``, ``tc`` or ``ip`` is missing
+or user namespaces are disabled.
+
+Two models, built from plain layers with the parameter tensors (shapes, order) of:
+
+- GPT-2 small: token embedding 50257 x 768 (tied with the output layer), positions
+  1024 x 768, then blocks of 12 tensors (LayerNorm, QKV 2304 x 768, projection, LayerNorm,
+  MLP 3072 x 768 and back) and a final LayerNorm. GPT-2 small has 12 blocks (124M
+  parameters, 475 MiB of gradients); ``--gpt-layers`` defaults to 2 (53.5M parameters,
+  204 MiB): on 2 CPU cores 12 blocks take minutes per round and all of the machine's memory
+  with 8 copies of the model. Inputs: random tokens, ``--gpt-batch`` x ``--gpt-tokens``.
+- ResNet-50: 161 tensors, 25.6M parameters (97.5 MiB), bottleneck blocks [3, 4, 6, 3];
+  inputs ``--resnet-batch`` random images of ``--resnet-size`` pixels square (64: compute
+  scales with the pixels, the parameters do not).
+
+Per model, two phases in the same 2 processes, each alternating its configurations in
+rotating order, every repetition timed on the slower replica:
+
+sync (no model compute: one autograd node hands out fixed gradients, as in
+scripts/bench_allreduce.py, so the time is accumulation into ``.grad`` plus the reduction)
+and step (forward, backward, SGD step; ``zero_grad(set_to_none=False)``):
+
+  contiguous      dist.all_reduce of one buffer of all gradients' bytes: the network limit
+  local           (step only) the same step without communication: the compute limit
+  ddp-best        DistributedDataParallel(gradient_as_bucket_view=True, static_graph=True,
+                  broadcast_buffers=False)
+  ddp-fp16        the same with DDP's fp16_compress_hook
+  ours            ts.MirroredStrategy(): the default, exact reduction
+  ours-bf16       ts.NcclAllReduce(compression="bf16")
+  ours-powersgd4  ts.NcclAllReduce(compression=ts.PowerSGD(rank=4))
+  ours-int8       ts.NcclAllReduce(compression=ts.Int8())
+  ours-autotuned  (step only) the default with ts.BucketAutotuner, searched during warm-up
+
+DDP's own PowerSGD hook is left out: it times out on gloo. Then (unless
+``--sweep-repeats 0``) every candidate bucket cap of the autotuner is timed again in a sweep
+on one model, to show the cap it chose against the best fixed cap.
+
+Tables give medians with quartiles over repetitions, and ratios as the median (quartiles)
+of per-repetition ratios of configurations measured back to back. The targets of issue 25
+(2 Gbit/s) are checked on the step phase.
+
+    scripts/bench_network.sh 2                         # or:
+    .venv/bin/python scripts/bench_network.py --rate 2 # 10-15 minutes on 2 cores
+    .venv/bin/python scripts/bench_network.py --rate 2 --quick   # small shapes, seconds
+"""
+import argparse
+import datetime
+import gc
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+import torchstrategy as ts
+
+NUM_REPLICAS = 2
+INSIDE = "BENCH_NETWORK_SHAPED"          # set in the re-executed process
+OURS = {"ours": None, "ours-bf16": "bf16", "ours-powersgd4": "powersgd", "ours-int8": "int8"}
+SYNC_CONFIGS = ("contiguous", "ddp-best", "ddp-fp16", *OURS)
+STEP_CONFIGS = ("local", "contiguous", "ddp-best", "ddp-fp16", *OURS, "ours-autotuned")
+MIB = 2**20
+
+
+# -- the shaped namespace ------------------------------------------------------------------
+def refuse(message):
+    print(f"bench_network.py: {message}", file=sys.stderr)
+    sys.exit(3)
+
+
+def tbf_burst(rate_gbit):
+    """tbf's bucket must hold at least one timer tick (4 ms at HZ=250) of traffic."""
+    return max(MIB, int(rate_gbit * 1e9 / 8 * 0.004))
+
+
+def reexec_in_shaped_namespace(rate_gbit):
+    """Replaces this process with itself inside ``unshare -rn``; refuses clearly where the
+    tools or user namespaces are missing."""
+    for tool, package in (("unshare", "util-linux"), ("tc", "iproute2"), ("ip", "iproute2")):
+        if shutil.which(tool) is None:
+            refuse(f"'{tool}' is not installed; it is needed to shape a private network "
+                   f"(apt-get install {package}). Nothing was run.")
+    probe = subprocess.run(["unshare", "-rn", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        refuse(f"'unshare -rn' failed ({probe.stderr.strip()}): unprivileged user "
+               "namespaces are disabled on this machine (sysctl "
+               "kernel.unprivileged_userns_clone=1, or a container that allows them). "
+               "Nothing was run.")
+    env = dict(os.environ, **{INSIDE: str(rate_gbit)})
+    os.execvpe("unshare", ["unshare", "-rn", sys.executable, os.path.abspath(__file__),
+                           *sys.argv[1:]], env)
+
+
+def shape_loopback(rate_gbit):
+    """Inside the namespace: loopback up, limited to `rate_gbit`. Returns tc's description."""
+    commands = (["ip", "link", "set", "lo", "up"],
+                ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{rate_gbit}gbit",
+                 "burst", str(tbf_burst(rate_gbit)), "latency", "50ms"])
+    for command in commands:
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            refuse(f"'{' '.join(command)}' failed in the private namespace: "
+                   f"{done.stderr.strip()} (the kernel lacks the tbf qdisc, sch_tbf?).")
+    return subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True,
+                          text=True).stdout.strip()
+
+
+# -- the models ----------------------------------------------------------------------------
+class Block(nn.Module):
+    """A GPT-2 block: pre-LayerNorm attention and MLP, 12 parameter tensors."""
+
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ln2, self.fc, self.out = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads) \
+            .permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab, context, d, heads, layers):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(context, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x) @ self.wte.weight.t()   # output layer tied to the embedding
+
+
+class Bottleneck(nn.Module):
+    def __init__(self, cin, width, stride):
+        super().__init__()
+        cout = 4 * width
+        self.conv1, self.bn1 = nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3, self.bn3 = nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                      nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = F.relu(self.bn2(self.conv2(y)))
+        y = self.bn3(self.conv3(y))
+        return F.relu(y + (x if self.down is None else self.down(x)))
+
+
+class ResNet(nn.Module):
+    """ResNet-50's layout: with base=64 and classes=1000, its 161 parameter tensors."""
+
+    def __init__(self, base=64, classes=1000, blocks=(3, 4, 6, 3)):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, base, 7, 2, 3, bias=False), nn.BatchNorm2d(base)
+        layers, cin = [], base
+        for stage, count in enumerate(blocks):
+            width = base * 2**stage
+            for k in range(count):
+                layers.append(Bottleneck(cin, width, 2 if stage > 0 and k == 0 else 1))
+                cin = 4 * width
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 3, 2, 1)
+        return self.fc(self.layers(x).mean(dim=(2, 3)))
+
+
+def model_specs(args):
+    """{name: (make model, make a batch (inputs, targets) from a generator, description)}."""
+    if args.quick:   # small shapes of the same structure: seconds, for the test
+        gpt = dict(vocab=512, context=64, d=64, heads=4, layers=1)
+        resnet = dict(base=8, classes=10, blocks=(1, 1, 1, 1))
+        gpt_bt, res_bs = (2, 16), (2, 32)
+    else:
+        gpt = dict(vocab=50257, context=1024, d=768, heads=12, layers=args.gpt_layers)
+        resnet = dict(base=64, classes=1000)
+        gpt_bt, res_bs = (args.gpt_batch, args.gpt_tokens), (args.resnet_batch, args.resnet_size)
+
+    def gpt_batch(g):
+        b, t = gpt_bt
+        tokens = torch.randint(0, gpt["vocab"], (b, t + 1), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def resnet_batch(g):
+        b, s = res_bs
+        return (torch.randn(b, 3, s, s, generator=g),
+                torch.randint(0, resnet["classes"], (b,), generator=g))
+
+    specs = {"gpt2": (lambda: GPT(**gpt), gpt_batch,
+                      f"GPT-2-small-shaped, {gpt['layers']} of 12 blocks, batch "
+                      f"{gpt_bt[0]}x{gpt_bt[1]} tokens"),
+             "resnet50": (lambda: ResNet(**resnet), resnet_batch,
+                          f"ResNet-50-shaped, batch {res_bs[0]} of {res_bs[1]}x{res_bs[1]}")}
+    return {m: specs[m] for m in args.models}
+
+
+def loss_of(model, inputs, targets):
+    out = model(inputs)
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1))
+
+
+# -- one replica ---------------------------------------------------------------------------
+def init_process_group():
+    timeout = datetime.timedelta(seconds=float(os.environ.get(
+        "TORCHSTRATEGY_TIMEOUT_SECONDS", 600)))
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+
+
+def our_strategy(kind):
+    compression = {None: None, "bf16": "bf16", "powersgd": ts.PowerSGD(rank=4),
+                   "int8": ts.Int8()}[kind]
+    if compression is None:
+        return ts.MirroredStrategy()   # adopts the process group made above
+    return ts.MirroredStrategy(cross_device_ops=ts.NcclAllReduce(compression=compression))
+
+
+def ddp(module, fp16):
+    wrapped = nn.parallel.DistributedDataParallel(
+        module, gradient_as_bucket_view=True, static_graph=True, broadcast_buffers=False)
+    if fp16:
+        wrapped.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    return wrapped
+
+
+class GivenGradients(torch.autograd.Function):
+    """A loss whose backward hands out precomputed gradients (no model compute)."""
+
+    @staticmethod
+    def forward(ctx, grads, *params):
+        ctx.grads = grads
+        return params[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        return (None,) + tuple(g.clone() for g in ctx.grads)
+
+
+class Identity(nn.Module):
+    """DDP's reducer is armed by forward: a forward that uses no parameter."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.ps = nn.ParameterList(params)
+
+    def forward(self, x):
+        return x
+
+
+def build_sync(make_model, rank):
+    """{configuration: one sync} on copies of the model's parameters; extras."""
+    shapes = [p.shape for p in make_model().parameters()]
+    gen = torch.Generator().manual_seed(rank)
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    total = sum(g.numel() for g in grads)
+    flat = torch.randn(total, generator=gen)
+    configs = {"contiguous": lambda: dist.all_reduce(flat)}
+
+    def params():
+        return [nn.Parameter(torch.zeros(s)) for s in shapes]
+
+    for name, fp16 in (("ddp-best", False), ("ddp-fp16", True)):
+        plist = params()
+        wrapped = ddp(Identity(plist), fp16)
+
+        def run(wrapped=wrapped, plist=plist):
+            for p in plist:
+                if p.grad is not None:
+                    p.grad.zero_()
+            wrapped(torch.zeros(()))
+            GivenGradients.apply(grads, *plist).backward()
+        configs[name] = run
+    strategies = {}
+    for name, kind in OURS.items():
+        strategy = strategies[name] = our_strategy(kind)
+        with strategy.scope():
+            plist = params()
+
+        def run(strategy=strategy, plist=plist):
+            for p in plist:
+                if p.grad is not None:
+                    p.grad.zero_()
+            strategy.run(lambda: GivenGradients.apply(grads, *plist).backward())
+        configs[name] = run
+    return configs, strategies
+
+
+def build_step(make_model, make_batch, rank, quick):
+    """{configuration: one training step}; the strategies; the autotuner."""
+    gen = torch.Generator().manual_seed(1 + rank)
+    inputs, targets = make_batch(gen)
+    configs = {}
+
+    def plain(model):
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+        def step():
+            loss_of(model, inputs, targets).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+        return step
+
+    torch.manual_seed(0)
+    configs["local"] = plain(make_model())
+    numel = sum(p.numel() for p in make_model().parameters())
+    flat = torch.randn(numel, generator=gen)
+    configs["contiguous"] = lambda: dist.all_reduce(flat)
+    for name, fp16 in (("ddp-best", False), ("ddp-fp16", True)):
+        torch.manual_seed(0)
+        configs[name] = plain(ddp(make_model(), fp16))
+    strategies, tuner = {}, None
+    for name, kind in (*OURS.items(), ("ours-autotuned", None)):
+        strategy = strategies[name] = our_strategy(kind)
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = make_model()
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        if name == "ours-autotuned":
+            tuner = ts.BucketAutotuner(
+                strategy.extended.gradient_reducer,
+                **(dict(steps_per_candidate=1, settle_steps=1) if quick else {}))
+
+        def train_step(model=model, optimizer=optimizer):
+            ts.scale_mean_loss(loss_of(model, inputs, targets)).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+
+        configs[name] = lambda strategy=strategy, f=train_step: strategy.run(f)
+    return configs, strategies, tuner
+
+
+def time_alternating(configs, repeats, warmup, extra_warmup=None):
+    """{name: [seconds per repetition]} on the slower replica, configurations alternating
+    in rotating order."""
+    names = list(configs)
+    for name in names:
+        for _ in range(warmup + (extra_warmup or {}).get(name, 0)):
+            configs[name]()
+    times = {n: [] for n in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            dist.barrier()
+            start = time.perf_counter()
+            configs[name]()
+            times[name].append(time.perf_counter() - start)
+    table = torch.tensor([times[n] for n in names], dtype=torch.float64)
+    dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    return {n: table[k].tolist() for k, n in enumerate(names)}
+
+
+def one_bucket_cap(reducer):
+    return sum(p.numel() * p.element_size() + 16 for p in reducer.parameters)
+
+
+def sweep(step, reducer, candidates, repeats):
+    """Each candidate cap timed (one settling step, then one timed), alternating."""
+    caps = [(c, one_bucket_cap(reducer)) if c is None else (c, None) for c in candidates]
+    times = {c: [] for c in candidates}
+    for r in range(repeats):
+        for c, first in caps[r % len(caps):] + caps[:r % len(caps)]:
+            reducer.rebucket(first if c is None else c, first)
+            step()
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            times[c].append(time.perf_counter() - start)
+    table = torch.tensor([times[c] for c in candidates], dtype=torch.float64)
+    dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    return [table[k].tolist() for k in range(len(candidates))]
+
+
+def replica_main(args):
+    init_process_group()
+    rank = dist.get_rank()
+    results = {}
+    for model_name, (make_model, make_batch, _) in model_specs(args).items():
+        configs, strategies = build_sync(make_model, rank)
+        sync = time_alternating(configs, args.repeats, args.warmup)
+        sync_bytes = {n: s.extended.stats().bytes_reduced for n, s in strategies.items()}
+        del configs, strategies
+        gc.collect()
+
+        configs, strategies, tuner = build_step(make_model, make_batch, rank, args.quick)
+        step = time_alternating(configs, args.repeats, args.warmup,
+                                {"ours-autotuned": tuner.total_steps})
+        assert tuner.done, "the autotuner's search did not finish during warm-up"
+        out = {"sync": sync, "step": step, "sync_bytes": sync_bytes,
+               "step_bytes": {n: s.extended.stats().bytes_reduced
+                              for n, s in strategies.items()},
+               "ratio": {n: s.extended.stats().compression_ratio
+                         for n, s in strategies.items()},
+               "autotune": tuner.result._asdict(), "candidates": list(tuner.candidates),
+               "num_tensors": len(strategies["ours"].extended.gradient_reducer.parameters),
+               "bytes": sum(p.numel() * p.element_size() for p in
+                            strategies["ours"].extended.gradient_reducer.parameters)}
+        if args.sweep_repeats and model_name == args.sweep_model:
+            reducer = strategies["ours-autotuned"].extended.gradient_reducer
+            out["sweep"] = sweep(configs["ours-autotuned"], reducer, tuner.candidates,
+                                 args.sweep_repeats)
+        results[model_name] = out
+        del configs, strategies, tuner
+        gc.collect()
+    return results
+
+
+# -- the report ----------------------------------------------------------------------------
+def quartiles(xs):
+    if len(xs) < 2:
+        return xs[0], xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], statistics.median(xs), q[2]
+
+
+def paired(a, b):
+    return quartiles([x / y for x, y in zip(a, b)])
+
+
+def fmt_q(q, scale=1.0, digits=3):
+    lo, med, hi = (v * scale for v in q)
+    return f"{med:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
+
+
+def report(results, args, shaped):
+    summary = {"rate_gbit": args.rate, "date": datetime.date.today().isoformat(),
+               "qdisc": shaped, "repeats": args.repeats, "models": {}}
+    for model_name, res in results.items():
+        desc = model_specs(args)[model_name][2]
+        print(f"\n=== {model_name}: {desc}; {res['num_tensors']} gradient tensors, "
+              f"{res['bytes'] / MIB:.1f} MiB ===")
+        entry = summary["models"][model_name] = {"description": desc,
+                                                 "tensors": res["num_tensors"],
+                                                 "mib": res["bytes"] / MIB}
+        for phase in ("sync", "step"):
+            times = res[phase]
+            limit = times["contiguous"] if phase == "sync" else \
+                [max(a, b) for a, b in zip(times["local"], times["contiguous"])]
+            print(f"\n{phase}: ms, median [quartiles] over {len(times['contiguous'])} "
+                  f"repetitions; paired ratios vs ddp-best, vs ddp-fp16, vs the limit ("
+                  f"{'contiguous' if phase == 'sync' else 'max(local, contiguous)'})")
+            print(f"{'configuration':<16}{'ms':>24}{'/ ddp-best':>24}{'/ ddp-fp16':>24}"
+                  f"{'/ limit':>24}{'MiB sent':>10}")
+            entry[phase] = {}
+            for name, t in times.items():
+                sent = res[f"{phase}_bytes"].get(name)
+                row = {"ms": [v * 1e3 for v in quartiles(t)],
+                       "vs_ddp_best": list(paired(t, times["ddp-best"])),
+                       "vs_ddp_fp16": list(paired(t, times["ddp-fp16"])),
+                       "vs_limit": list(paired(t, limit))}
+                entry[phase][name] = row
+                print(f"{name:<16}{fmt_q(quartiles(t), 1e3, 1):>24}"
+                      f"{fmt_q(row['vs_ddp_best']):>24}{fmt_q(row['vs_ddp_fp16']):>24}"
+                      f"{fmt_q(row['vs_limit']):>24}"
+                      f"{'' if sent is None else f'{sent / MIB:.2f}':>10}")
+        auto = res["autotune"]
+        cands = res["candidates"]
+        entry["autotune"] = {"kept": auto["candidate"], "cap_bytes": auto["bucket_cap_bytes"],
+                             "search_step_ms": [s * 1e3 for s in auto["step_seconds"]]}
+        print(f"\nautotuner: kept {label(auto['candidate'])} (cap {auto['bucket_cap_bytes']} "
+              f"bytes); its search, median step ms per candidate: "
+              + ", ".join(f"{label(c)} {s * 1e3:.1f}" for c, s in
+                          zip(cands, auto["step_seconds"])))
+        if "sweep" in res:
+            sw = res["sweep"]
+            meds = [statistics.median(t) for t in sw]
+            best = min(range(len(meds)), key=meds.__getitem__)
+            chosen = cands.index(auto["candidate"])
+            ratio = paired(sw[chosen], sw[best])
+            print(f"sweep ({len(sw[0])} repetitions, alternating, step ms median "
+                  f"[quartiles]): " + ", ".join(
+                      f"{label(c)} {fmt_q(quartiles(t), 1e3, 1)}" for c, t in zip(cands, sw)))
+            print(f"  best fixed cap: {label(cands[best])}; the autotuner's choice "
+                  f"{label(auto['candidate'])}: {fmt_q(ratio)} x the best fixed (paired)")
+            entry["sweep"] = {"ms": {label(c): [v * 1e3 for v in quartiles(t)]
+                                     for c, t in zip(cands, sw)},
+                              "best_fixed": label(cands[best]),
+                              "chosen_vs_best": list(ratio)}
+    targets(results, summary)
+    return summary
+
+
+def label(candidate):
+    return "one bucket" if candidate is None else f"{candidate / MIB:g} MiB"
+
+
+def targets(results, summary):
+    """Issue 25's targets, on the step phase of each model."""
+    print("\ntargets (step phase, paired ratios: median [quartiles]):")
+    summary["targets"] = {}
+    for model_name, res in results.items():
+        t = res["step"]
+        limit = [max(a, b) for a, b in zip(t["local"], t["contiguous"])]
+        checks = (("ours / max(local, contiguous)", t["ours"], limit, 1.05),
+                  ("ours-powersgd4 / ddp-best", t["ours-powersgd4"], t["ddp-best"], 0.35),
+                  ("ours-powersgd4 / ddp-fp16", t["ours-powersgd4"], t["ddp-fp16"], 0.6),
+                  ("ours-bf16 / ddp-fp16", t["ours-bf16"], t["ddp-fp16"], 1.0))
+        rows = summary["targets"][model_name] = {}
+        for name, a, b, target in checks:
+            q = paired(a, b)
+            rows[name] = {"ratio": list(q), "target": target, "met": q[1] <= target}
+            print(f"  {model_name:<9}{name:<32}{fmt_q(q):>24}  target <= {target}: "
+                  f"{'met' if q[1] <= target else 'MISSED'}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rate", type=float, default=2.0,
+                        help="link rate in Gbit/s (1, 2, 10; shared by both directions)")
+    parser.add_argument("--models", default="gpt2,resnet50",
+                        help="comma-separated: gpt2, resnet50")
+    parser.add_argument("--repeats", type=int, default=8,
+                        help="timed repetitions of every configuration per phase")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration")
+    parser.add_argument("--gpt-layers", type=int, default=2,
+                        help="GPT-2 blocks (GPT-2 small has 12)")
+    parser.add_argument("--gpt-batch", type=int, default=1)
+    parser.add_argument("--gpt-tokens", type=int, default=64)
+    parser.add_argument("--resnet-batch", type=int, default=4)
+    parser.add_argument("--resnet-size", type=int, default=64)
+    parser.add_argument("--sweep-repeats", type=int, default=3,
+                        help="repetitions of the bucket-cap sweep (0: none)")
+    parser.add_argument("--sweep-model", default="resnet50",
+                        help="the model the sweep runs on")
+    parser.add_argument("--json", help="also write the summary to this file")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: small shapes, 2 repetitions")
+    args = parser.parse_args()
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    bad = [m for m in args.models if m not in ("gpt2", "resnet50")]
+    if bad or not args.models:
+        parser.error(f"--models: unknown {bad or 'empty list'}; choose from gpt2, resnet50")
+    if not args.rate > 0:
+        parser.error(f"--rate must be a positive number of Gbit/s, got {args.rate}")
+    if args.repeats < 1 or args.warmup < 0 or args.sweep_repeats < 0:
+        parser.error("--repeats must be >= 1, --warmup and --sweep-repeats >= 0")
+    if args.sweep_model not in args.models:
+        args.sweep_repeats = 0
+    if args.quick:
+        args.repeats, args.warmup, args.sweep_repeats = 2, 1, min(args.sweep_repeats, 1)
+
+    if os.environ.get(INSIDE) is None:
+        reexec_in_shaped_namespace(args.rate)
+    shaped = shape_loopback(args.rate)
+    print(f"shaped loopback: {shaped}")
+    print(f"{NUM_REPLICAS} replicas on gloo, CPU; {args.repeats} repetitions per phase; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
+          f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", flush=True)
+    results = ts.launch(replica_main, args, num_replicas=NUM_REPLICAS, timeout_seconds=3600)
+    summary = report(results, args, shaped)
+    print(f"\nload average after: {os.getloadavg()[0]:.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
