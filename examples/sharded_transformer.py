@@ -1,5 +1,6 @@
 """Train a small transformer with ShardedStrategy (FSDP2): parameters, gradients and Adam
-state sharded over the replicas.
+state sharded over the replicas, the model built on the meta device so that no replica
+ever holds it whole.
 
     python examples/sharded_transformer.py                 # every GPU, or 2 CPU replicas
     python examples/sharded_transformer.py --replicas 4
@@ -34,25 +35,54 @@ parser.add_argument("--bf16", action="store_true", help="compute in bfloat16")
 VOCAB, LENGTH, WIDTH, LAYERS = 32, 12, 64, 4
 
 
+class Block(nn.Module):
+    """A pre-norm transformer layer (self-attention, then an MLP)."""
+
+    def __init__(self, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.attention_norm = nn.LayerNorm(WIDTH)
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
+        self.out = nn.Linear(WIDTH, WIDTH)
+        self.mlp_norm = nn.LayerNorm(WIDTH)
+        self.up = nn.Linear(WIDTH, 4 * WIDTH)
+        self.down = nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (part.view(b, t, self.heads, -1).transpose(1, 2)
+                   for part in self.qkv(self.attention_norm(x)).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, WIDTH)
+        x = x + self.out(y)
+        return x + self.down(F.gelu(self.up(self.mlp_norm(x))))
+
+
 class Transformer(nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.position = nn.Parameter(torch.randn(LENGTH, WIDTH) * 0.02)
+        self.position = nn.Parameter(torch.empty(LENGTH, WIDTH))
         # distributed: each of these repeated layers becomes one FSDP unit (gathered whole
         # only while it runs); the embedding, positions and head stay with the model.
-        self.layers = nn.ModuleList(
-            nn.TransformerEncoderLayer(WIDTH, nhead=4, dim_feedforward=4 * WIDTH,
-                                       dropout=0.0, batch_first=True, norm_first=True)
-            for _ in range(LAYERS))
+        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
         self.norm = nn.LayerNorm(WIDTH)
         self.head = nn.Linear(WIDTH, VOCAB)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        # Initialises this module's own parameters only (its children have their own
+        # reset_parameters): the contract of torch's modules, which ShardedStrategy relies
+        # on for a model built on the meta device.
+        nn.init.normal_(self.position, std=0.02)
 
     def forward(self, tokens):
         x = self.embed(tokens) + self.position
         for layer in self.layers:
             x = layer(x)
-        return self.head(self.norm(x))
+        # Logits as (batch * length, vocabulary), the matrix product's own result: a Linear
+        # over a 3-D input returns a view of it, and FSDP2 (torch 2.13) warns when a sharded
+        # model returns a view, since an in-place op on a view would skip its backward hook.
+        return self.head(self.norm(x).flatten(0, 1))
 
 
 def batches(steps, global_batch, seed=0):
@@ -78,16 +108,19 @@ def main():
     chief = strategy.extended.is_chief
     global_batch = args.batch_size * strategy.num_replicas_in_sync
 
-    # distributed: the model is broadcast from replica 0 and sharded when the scope exits;
-    # the optimizer made here is switched to the sharded parameters before its first step.
+    # distributed: built on the meta device (shapes, no memory), the model is sharded when
+    # the scope exits; then each replica allocates only its shards and fills them by each
+    # module's reset_parameters(), the same values for any number of replicas. The
+    # optimizer made here is switched to the sharded parameters before its first step.
     with strategy.scope():
-        model = Transformer()
+        with torch.device("meta"):
+            model = Transformer()
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
     def train_step(tokens, targets):
         logits = model(tokens)
-        per_example = F.cross_entropy(logits.transpose(1, 2), targets,
-                                      reduction="none").mean(1)
+        per_example = F.cross_entropy(logits, targets.flatten(), reduction="none")
+        per_example = per_example.view(targets.shape).mean(1)
         # distributed: divide by the GLOBAL batch; backward() sums over replicas.
         loss = ts.compute_average_loss(per_example, global_batch_size=global_batch)
         loss.backward()
@@ -121,7 +154,7 @@ def main():
             plain.load_state_dict(state)
             tokens, targets = (strategy.experimental_local_results(t)[0]
                                for t in (tokens, targets))  # replica 0's slice
-            accuracy = (plain(tokens).argmax(-1) == targets).float().mean()
+            accuracy = (plain(tokens).argmax(-1) == targets.flatten()).float().mean()
             print(f"exported a plain state_dict ({len(state)} tensors); the unsharded copy "
                   f"predicts replica 0's last batch with accuracy {accuracy:.2f}")
         strategy.extended.communicator.barrier()

@@ -38,7 +38,7 @@ from torchstrategy.communication_options import CommunicationOptions
 from torchstrategy.launch import world as world_lib
 from torchstrategy.strategies.base import (Strategy, check_trainer_replicas, logger,
                                           trainer_device_names)
-from torchstrategy.strategies.sharding import plan, state, training
+from torchstrategy.strategies.sharding import materialize, plan, state, training
 from torchstrategy.strategies.spmd import SPMDExtended
 from torchstrategy.strategies.startup import start_replica_process
 from torchstrategy.variables import Variable
@@ -76,6 +76,8 @@ class ShardedExtended(SPMDExtended):
       fsdp_kwargs: ``fully_shard``'s keyword arguments (mesh included).
       activation_checkpointing: recompute each unit's forward in backward (every unit
         but the model itself; `training.checkpoint_activations`).
+      init_fn: initialises one module of a model built on meta (None: its
+        ``reset_parameters()``; `sharding.materialize`).
     """
 
     shards_parameters = True
@@ -85,13 +87,15 @@ class ShardedExtended(SPMDExtended):
     def __init__(self, container: Strategy, communicator: Communicator,
                  torch_device: torch.device, mesh: DeviceMesh,
                  shard_modules: Sequence[Any] | None, fsdp_kwargs: dict[str, Any],
-                 activation_checkpointing: bool = False) -> None:
+                 activation_checkpointing: bool = False,
+                 init_fn: materialize.InitFn | None = None) -> None:
         # FSDP2 reduces the gradients; a mirrored reducer would sum them again.
         super().__init__(container, communicator, torch_device, reduce_gradients=False)
         self._mesh = mesh
         self._shard_modules = shard_modules
         self._fsdp_kwargs = fsdp_kwargs
         self._activation_checkpointing = activation_checkpointing
+        self._init_fn = init_fn
         # Weak references to the modules that registered a parameter, and to the models
         # sharded so far (in order).
         self._owners: list[weakref.ref[torch.nn.Module]] = []
@@ -176,21 +180,34 @@ class ShardedExtended(SPMDExtended):
         buffers (and non-trainable variables) from replica 0. Every replica calls it at the
         same points (scope exit, the start of ``run``).
 
+        A model built on the meta device is sharded without values, then each replica
+        allocates its shards and initialises them (`sharding.materialize`: each module's
+        ``reset_parameters()`` or the strategy's ``init_fn``, the same values for any
+        number of replicas).
+
         Raises:
-          ValueError: a ``shard_modules`` entry naming no module (before any collective);
-            replicas that built different models; a module created in scope and attached
-            to a model that was already sharded.
+          ValueError: a ``shard_modules`` entry naming no module, a model sharded by the
+            user's own ``fully_shard``, a meta model that cannot be initialised (before
+            any collective); replicas that built different models; a module created in
+            scope and attached to a model that was already sharded.
         """
         if self._sharding:
             return
         roots = self._take_new_roots()
+        ours = self.sharded_models()
         for root in roots:
-            if isinstance(root, FSDPModule) or state.is_sharded(root):
+            if any(root is model for model in ours):
                 raise ValueError(
                     f"A module was created in strategy.scope() and attached to "
                     f"{type(root).__name__}, which ShardedStrategy had already sharded. Build "
                     "the whole model inside one scope, before the scope exits and before the "
                     "first strategy.run.")
+            _check_not_sharded_by_user(root)
+        # Models built on meta: checked before any collective, sharded without values,
+        # then materialised shard by shard (`materialize`).
+        on_meta = [root for root in roots if materialize.on_meta(root)]
+        for root in on_meta:
+            materialize.check_materializable(root, self._init_fn)
         plans = plan.plan_units(roots, self._shard_modules)
         if self._activation_checkpointing and plans and not any(units for _, units in plans):
             # Checked before any collective; models sharded together (a LightningModule's
@@ -208,13 +225,17 @@ class ShardedExtended(SPMDExtended):
         if not labelled:
             return
         if self._comm.world_size > 1:
-            mirroring.check_replicas_agree(self._comm, labelled)
+            # Meta tensors are compared (labelled as such) but not broadcast: they get
+            # their values after sharding, the same on every replica.
+            mirroring.check_replicas_agree(self._comm, materialize.meta_labels(labelled))
             with torch.no_grad():
-                self._comm.broadcast_([t for _, t in labelled], src=0)
+                self._comm.broadcast_([t for _, t in labelled if not t.is_meta], src=0)
         self._sharding = True
         try:
             for root, units in plans:
                 self._shard(root, units)
+            materialize.materialize(on_meta, self.torch_device or torch.device("cpu"),
+                                    self._comm, self._init_fn)
         finally:
             self._sharding = False
 
@@ -392,6 +413,24 @@ class ShardedExtended(SPMDExtended):
             obj.load_state_dict(state_dict)
 
 
+def _check_not_sharded_by_user(root: torch.nn.Module) -> None:
+    """Raises if `root`, created in the scope, was sharded by other code (the user's own
+    ``fully_shard`` calls, kept from an FSDP2 program)."""
+    units = [name or type(m).__name__ for name, m in root.named_modules()
+             if isinstance(m, FSDPModule)]
+    if units or state.is_sharded(root):
+        where = f" (fully_shard was applied to {', '.join(units[:3])}" \
+                f"{', ...' if len(units) > 3 else ''})" if units else ""
+        raise ValueError(
+            f"{type(root).__name__}, created in strategy.scope(), was already sharded by "
+            f"other code{where}: remove your fully_shard calls; ShardedStrategy shards "
+            "the models created in its scope itself when the scope exits (each repeated "
+            "block, then the model; shard_modules=[...] to choose the units, and "
+            "fully_shard's options are ShardedStrategy's arguments). Keep "
+            "`with torch.device('meta'):` if you build on meta: the strategy materialises "
+            "the shards and calls reset_parameters().")
+
+
 def _check_managed(module: torch.nn.Module, managed: Any) -> None:
     if id(module) in managed or next(module.parameters(recurse=False), None) is None:
         return None
@@ -448,6 +487,14 @@ class ShardedStrategy(Strategy):
         itself (each repeated block by default), none of its activations: backward
         recomputes the unit's forward (``torch.utils.checkpoint``, non-reentrant;
         gradients unchanged).
+      init_fn: how a model built on the meta device in the scope (``with
+        torch.device("meta"):``) gets its values once sharded: ``init_fn(module)`` is
+        called for every module with parameters or buffers of its own, in
+        ``model.modules()`` order, and initialises those in place (it sees them as full,
+        plain tensors; each replica keeps its slice). None: each such module's
+        ``reset_parameters()``. The values are the same for any number of replicas
+        (every replica draws from replica 0's random state). Models built with values
+        keep them (broadcast from replica 0).
       cluster_resolver / communication_options: as for MultiWorkerMirroredStrategy
         (``implementation`` and ``timeout_seconds`` are honoured; ``bytes_per_pack`` and
         ``compression`` are refused: FSDP2 communicates per unit).
@@ -460,6 +507,7 @@ class ShardedStrategy(Strategy):
                  shard_modules: Sequence[Any] | None = None, mixed_precision: Any = None,
                  reshard_after_forward: bool | int | None = None, cpu_offload: Any = False,
                  shard_group_size: int | None = None, activation_checkpointing: bool = False,
+                 init_fn: materialize.InitFn | None = None,
                  cluster_resolver: ClusterResolver | None = None,
                  communication_options: CommunicationOptions | None = None) -> None:
         shard_modules = plan.check_shard_modules(shard_modules)
@@ -471,6 +519,7 @@ class ShardedStrategy(Strategy):
             raise ValueError(f"ShardedStrategy(shard_group_size={shard_group_size!r}): give a "
                              "positive int (the replicas per machine) or None.")
         plan.offload_policy(cpu_offload, "cpu")  # raises for what is not an option
+        materialize.check_init_fn(init_fn)
         if not isinstance(activation_checkpointing, bool):
             raise TypeError(f"ShardedStrategy(activation_checkpointing="
                             f"{activation_checkpointing!r}): give True or False.")
@@ -505,7 +554,8 @@ class ShardedStrategy(Strategy):
                        "offload_policy": plan.offload_policy(cpu_offload, torch_device.type)}
         super().__init__(ShardedExtended(self, process.communicator, torch_device, mesh,
                                          shard_modules, fsdp_kwargs,
-                                         activation_checkpointing=activation_checkpointing))
+                                         activation_checkpointing=activation_checkpointing,
+                                         init_fn=init_fn))
         self._world = world
         self._resolver = resolver
         self._devices = process.device_names
