@@ -52,6 +52,7 @@ from torchstrategy.cluster_resolver import ClusterResolver
 from torchstrategy.fault_tolerance.agreement import LocalAgreement, StoreAgreement
 from torchstrategy.fault_tolerance.termination import (TerminationConfig, Watcher,
                                                        exit_for_restart)
+from torchstrategy.launch import restart_marker
 from torchstrategy.launch import world as world_lib
 
 logger = logging.getLogger("torchstrategy")
@@ -158,6 +159,9 @@ class PreemptionCheckpointHandler:
         self._step_seconds = 0.0
         self._save_seconds = 0.0
         self.restored = False
+        # A new attempt: a restart marker of the previous one (launch/restart_marker.py) no
+        # longer holds.
+        restart_marker.clear_marker()
         nonce = self._restore()
         self._agreement: StoreAgreement | LocalAgreement
         if num_replicas() > 1:
@@ -387,7 +391,12 @@ class PreemptionCheckpointHandler:
         # (a replica stuck on its way out must not ignore the SIGTERM that torchrun's agent
         # sends to stop the group). If exit_fn returns, training goes on unwatched.
         self._watcher.stop()
+        # Tells a `requeue_exit` wrapper that this exit asks for a restart, whatever code
+        # the launchers in between end with (torchrun: 1).
+        restart_marker.write_marker(f"replica {_rank()}: preemption checkpoint {self.path} "
+                                    f"after {self._run_calls} steps")
         self._exit_fn()
+        restart_marker.clear_marker()   # exit_fn returned: no restart was asked for
 
     @contextlib.contextmanager
     def _reporting_errors(self) -> Iterator[None]:
