@@ -28,12 +28,15 @@ thread, socket or exit handler exists before.
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 import socket
 import sys
 import threading
 import time
+import traceback
+import types
 import atexit
 import weakref
 from typing import Any, Callable, TypeVar
@@ -196,11 +199,40 @@ class Runtime:
         for reducer in list(self._reducers):
             reducer.close()
         if dist.is_initialized():
+            # Objects the program dropped that sit in reference cycles (a strategy and its
+            # extended, their reducer, a pending Work) would be freed only by the cycle
+            # collector, whose next run may be in the interpreter's teardown: run it now.
+            gc.collect()
             # The last references are then torch's own: destroying the groups frees them.
             _compat.release_group_from_functional_defaults(_compat.default_process_group())
-            _compat.release_groups_from_device_meshes(_compat.live_process_groups())
+            groups = _compat.live_process_groups()
+            _compat.release_groups_from_device_meshes(groups)
             dist.destroy_process_group()
+            self._report_surviving_groups(groups)
         self._store = None
+
+    @staticmethod
+    def _report_surviving_groups(groups: list[dist.ProcessGroup]) -> None:
+        """Warns, naming the holders, about every group of `groups` (just destroyed) that
+        something other than `groups` still references; then drops `groups`, which frees
+        (and joins the threads of) every other one here.
+
+        A group that survives its destruction is freed in the interpreter's teardown, if
+        at all, where gloo's threads can abort the process; every such reference found so
+        far was a bug of ours (fixed where it was made), so one found here is said
+        loudly, with where it is, instead of surfacing as a rare abort."""
+        for index in range(len(groups)):
+            # the list's own reference and getrefcount's argument
+            if sys.getrefcount(groups[index]) <= 2:
+                continue
+            holders = _describe_holders(groups[index], ignore=groups)
+            # stderr, as the supervisor's messages: seen without logging configured
+            print("torchstrategy: a process group is still referenced after it was "
+                  f"destroyed at exit (by {'; '.join(holders) or 'an object outside Python'}"
+                  "); its threads will meet the interpreter's teardown, which can abort the "
+                  "process (\"terminate called without an active exception\"). Drop that "
+                  "reference before the program ends.", file=sys.stderr, flush=True)
+        groups.clear()
 
     # -- buffers in flight -----------------------------------------------------------
     def hold(self, *buffers: torch.Tensor) -> None:
@@ -304,10 +336,59 @@ class Runtime:
         elif owns_group:
             self.release_process_group()
 
+    def _at_exit(self) -> None:
+        """The exit handler: `shutdown`, once an uncaught exception's frames let go.
+
+        The traceback of an exception that ended the program (``sys.last_traceback``) keeps
+        every frame it passed through alive, with their locals: a strategy, a reducer, a
+        process group held by a variable would outlive the group's destruction into the
+        interpreter's teardown. The traceback was printed already; its frames' locals are
+        cleared so that the shutdown frees the group."""
+        last = getattr(sys, "last_traceback", None)
+        if last is not None:
+            traceback.clear_frames(last)
+        self.shutdown()
+
     def _register_exit_handler(self) -> None:
         if not self._exit_handler_registered:
             self._exit_handler_registered = True
-            atexit.register(self.shutdown)
+            atexit.register(self._at_exit)
+
+
+def _describe_holders(obj: Any, ignore: Any) -> list[str]:
+    """Where `obj` is referenced from, in words (for the warning above): the function whose
+    closure or default arguments hold it, the class of the object whose attribute it is,
+    the frame whose local it is; else the container's type. `ignore`: a referrer to skip."""
+    described = []
+    for referrer in gc.get_referrers(obj):
+        if referrer is ignore or (isinstance(referrer, types.FrameType)
+                                  and referrer.f_code is _describe_holders.__code__):
+            continue
+        owners = [o for o in gc.get_referrers(referrer) if o is not ignore]
+        if isinstance(referrer, types.CellType):
+            functions = [f for tup in owners if isinstance(tup, tuple)
+                         for f in gc.get_referrers(tup) if isinstance(f, types.FunctionType)
+                         and f.__closure__ is tup]
+            described += [f"the closure of {f.__qualname__} ({f.__code__.co_filename}:"
+                          f"{f.__code__.co_firstlineno})" for f in functions] or ["a closure"]
+        elif isinstance(referrer, types.FrameType):
+            code = referrer.f_code
+            described.append(f"a local of {code.co_name} ({code.co_filename}:"
+                             f"{referrer.f_lineno})")
+        elif isinstance(referrer, tuple) and any(
+                isinstance(f, types.FunctionType) and f.__defaults__ is referrer
+                for f in owners):
+            described += [f"the default arguments of {f.__qualname__}" for f in owners
+                          if isinstance(f, types.FunctionType) and f.__defaults__ is referrer]
+        elif isinstance(referrer, dict) and any(
+                getattr(o, "__dict__", None) is referrer for o in owners):
+            described += [f"an attribute of a {type(o).__qualname__}" for o in owners
+                          if getattr(o, "__dict__", None) is referrer]
+        elif isinstance(referrer, (list, tuple, dict, set, frozenset)):
+            described.append(f"a {type(referrer).__qualname__}")
+        else:  # an instance whose attributes live inline (no __dict__ of their own)
+            described.append(f"an attribute of a {type(referrer).__qualname__}")
+    return described
 
 
 class _Holder:

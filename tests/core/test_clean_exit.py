@@ -64,6 +64,95 @@ def test_shutdown_frees_the_group_that_torch_functional_defaults_held(tmp_path):
     assert lines["default is None"] == "True", result.stdout
 
 
+# What else kept a group alive past the runtime's shutdown: the reducer's re-bucketing
+# factory (a closure over the group, added with the bucket autotuner), an object the program
+# dropped in a reference cycle (freed only by the cycle collector, possibly in teardown), and
+# the traceback of the exception that ended the program (its frames' locals). One process,
+# a world of one; gloo's threads are counted by an exit handler registered before the
+# runtime's, so it runs after the runtime's shutdown, as the interpreter's teardown would.
+HOLDERS_PROGRAM = """
+import atexit
+import glob
+import sys
+
+
+def gloo_threads():
+    names = []
+    for comm in glob.glob("/proc/self/task/*/comm"):
+        with open(comm) as f:
+            names.append(f.read().strip())
+    return sum(name in ("gloo_tcp_loop", "pt_gloo_runloop") for name in names)
+
+
+atexit.register(lambda: print("threads at exit", gloo_threads(), flush=True))
+
+from torch import nn
+import torchstrategy as ts
+from torchstrategy import _compat
+from torchstrategy.collectives.reducer import GradientReducer
+
+mode = sys.argv[1]
+strategy = ts.MultiWorkerMirroredStrategy()
+with strategy.scope():
+    model = nn.Linear(4, 1)
+print("threads before", gloo_threads(), flush=True)
+
+
+class Holder:
+    pass
+
+
+if mode == "ours":
+    # a reducer the autotuner re-bucketed, kept to the end as a strategy keeps its own
+    reducer = GradientReducer(strategy.extended.communicator)
+    reducer.add_parameters(model.parameters())
+    assert reducer.launches_on_process_group()   # its C++ core holds the group
+    reducer.rebucket(1024, 512)
+    cycle = Holder()
+    cycle.group, cycle.me = _compat.default_process_group(), cycle
+    del cycle
+elif mode == "exception":
+    def fail(group):
+        raise RuntimeError("the program failed")
+    fail(_compat.default_process_group())
+elif mode == "kept":
+    keeper = Holder()
+    keeper.group = _compat.default_process_group()
+"""
+
+
+def _run_holders_program(tmp_path, mode):
+    script = tmp_path / "holders.py"
+    script.write_text(HOLDERS_PROGRAM)
+    result = subprocess.run([sys.executable, str(script), mode], cwd=ROOT,
+                            capture_output=True, text=True, timeout=240,
+                            env=plain_environment(timeout_seconds=60))
+    lines = dict(line.rsplit(" ", 1) for line in result.stdout.splitlines()
+                 if line.startswith("threads "))
+    assert int(lines["threads before"]) > 0, result.stdout + result.stderr
+    return result, int(lines["threads at exit"])
+
+
+@pytest.mark.parametrize("mode", ["ours", "exception"])
+def test_shutdown_frees_the_group_whatever_held_it(tmp_path, mode):
+    result, threads_at_exit = _run_holders_program(tmp_path, mode)
+    assert result.returncode == (1 if mode == "exception" else 0), result.stderr
+    if mode == "exception":
+        assert "RuntimeError: the program failed" in result.stderr   # still reported
+    assert threads_at_exit == 0, result.stdout + result.stderr
+    assert "still referenced after it was destroyed" not in result.stderr, result.stderr
+
+
+def test_a_group_the_program_keeps_is_named_at_exit(tmp_path):
+    # The program's own reference cannot be dropped for it: the warning says where it is.
+    result, threads_at_exit = _run_holders_program(tmp_path, "kept")
+    assert result.returncode == 0, result.stderr
+    assert threads_at_exit > 0, result.stdout
+    assert ("torchstrategy: a process group is still referenced after it was destroyed at "
+            "exit (by an attribute of a Holder)") in result.stderr, result.stderr
+    assert "Drop that reference before the program ends." in result.stderr
+
+
 def _stress_module():
     spec = importlib.util.spec_from_file_location("stress_exit", STRESS_SCRIPT)
     module = importlib.util.module_from_spec(spec)

@@ -144,8 +144,10 @@ class GradientReducer:
         except (RuntimeError, TypeError):  # a process group C++ cannot take: via Python
             process_group = None
             self._core = make(None)
-        # `rebucket` builds another core the same way (autotune.py's search).
-        self._make_core = lambda cap, first: make(process_group, cap, first)
+        # `rebucket` builds another core the same way (autotune.py's search). Its closure
+        # holds the process group as the core does: `close` drops both.
+        self._make_core: Callable[[int, int], Any] | None = \
+            lambda cap, first: make(process_group, cap, first)
         self._first_cap = int(first_bucket_bytes)
         self._earlier_steps = 0   # synchronised steps of cores `rebucket` replaced
         self._after_sync: list[Callable[[], None]] = []
@@ -158,9 +160,10 @@ class GradientReducer:
         C++ core still holding it would keep the group alive into the interpreter's
         teardown, where gloo's threads can abort the process ("terminate called without an
         active exception"). A closed reducer's hooks do nothing (they hold only a weak
-        reference to the core).
+        reference to the core), and it cannot `rebucket`.
         """
         self._core = None
+        self._make_core = None
 
     # -- set-up -------------------------------------------------------------------------
     def add_parameters(self, params: Iterable[torch.Tensor]) -> None:
@@ -205,6 +208,9 @@ class GradientReducer:
             raise ValueError(f"rebucket: caps must be positive, got bucket_cap_bytes="
                              f"{bucket_cap_bytes}, first_bucket_bytes={first_bucket_bytes}.")
         old = self._core
+        if old is None or self._make_core is None:
+            raise RuntimeError("rebucket: this reducer was closed (its process group was "
+                               "released at exit); it reduces nothing any more.")
         core = self._make_core(int(bucket_cap_bytes), first)
         if self._params:
             core.add_parameters(self._params)
