@@ -33,6 +33,7 @@ import os
 import re
 import resource
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -333,6 +334,11 @@ def main(argv: list[str] | None = None) -> int:
                         or bool(r["processes"]) or bool(r["files"]) for r in runs)
         print(f"{combo[0]:9s} {combo[1]:12s} {str(combo[2]):7s} {len(runs):4d} "
               f"{codes.get(0, 0):6d} {others:16s} {terminates:9d} {alive:5d} {procs:5d} {files:5d}")
+    seconds = [float(str(r["seconds"])) for runs in results.values() for r in runs]
+    if len(seconds) >= 2:
+        low, median, high = statistics.quantiles(seconds, n=4)
+        print(f"\nseconds per job: median {median:.1f} (quartiles {low:.1f} - {high:.1f}, "
+              f"longest {max(seconds):.1f})")
     print(f"\n{ran} jobs, {failures} not clean")
     if not args.keep:
         subprocess.run(["rm", "-rf", root], check=False)
