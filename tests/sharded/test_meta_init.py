@@ -16,6 +16,7 @@ Three launches (1, 2 and 4 replicas) check that:
 And examples/sharded_transformer.py, which builds its model on meta, runs with no warning.
 """
 import os
+import re
 import subprocess
 import sys
 
@@ -264,16 +265,39 @@ def test_init_fn_must_be_callable():
         ts.ShardedStrategy(init_fn=3)
 
 
-@pytest.mark.timeout(300)
-def test_the_example_builds_on_meta_and_warns_nothing():
+def run_script(*argv):
+    """Runs `python argv...` from the repository root as a user would (2 CPU replicas
+    re-executed by the script itself); returns (stdout, stderr) after checking the exit
+    status."""
     env = dict(os.environ, TORCHSTRATEGY_TIMEOUT_SECONDS="60", PYTHONUNBUFFERED="1")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                  "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHSTRATEGY_LAUNCHER",
                  "TORCHSTRATEGY_PARENT_PID"):
         env.pop(name, None)
-    result = subprocess.run(
-        [sys.executable, os.path.join("examples", "sharded_transformer.py"), "--steps", "2",
-         "--replicas", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "replica 0 holds" in result.stdout, result.stdout
-    assert "Warning" not in result.stderr, result.stderr[-4000:]
+    result = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result.stdout, result.stderr
+
+
+@pytest.mark.timeout(300)
+def test_the_example_builds_on_meta_and_warns_nothing():
+    stdout, stderr = run_script(os.path.join("examples", "sharded_transformer.py"),
+                                "--steps", "2", "--replicas", "2")
+    assert "replica 0 holds" in stdout, stdout
+    assert "Warning" not in stderr, stderr[-4000:]
+
+
+@pytest.mark.timeout(300)
+def test_the_memory_benchmark_runs_quick():
+    """scripts/bench_sharded_memory.py --quick (a tiny model on 2 replicas): the figures
+    the full run reports, for every replica (the full run is not a test: ~9 GB)."""
+    stdout, stderr = run_script(os.path.join("scripts", "bench_sharded_memory.py"),
+                                "--quick")
+    assert "16 B/parameter" in stdout and "baseline (import torch, torchstrategy)" in stdout
+    rows = re.findall(r"^\s+([01])\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+\s+[0-9.-]+\s+"
+                      r"[0-9.-]+$", stdout, flags=re.MULTILINE)
+    assert rows == ["0", "1"], stdout
+    assert "largest (peak - baseline) / full training state" in stdout, stdout
+    assert "MirroredStrategy (not run)" in stdout, stdout
+    assert "Warning" not in stderr, stderr[-4000:]
