@@ -35,7 +35,9 @@ def compute_average_loss(per_example_loss: torch.Tensor | Any,
     Args:
       per_example_loss: tensor of shape [local_batch, ...] (use ``reduction="none"``);
         all its elements are summed, as TensorFlow does.
-      sample_weight: optional weights, broadcastable to `per_example_loss`.
+      sample_weight: optional weights: a number, or a tensor that broadcasts to
+        `per_example_loss`'s shape without changing it (one weight per example: shape
+        [local_batch] for a 1-D loss, [local_batch, 1] for [local_batch, tokens]).
       global_batch_size: B. If None, B is the sum of the local batch sizes of all replicas,
         found with one small all-reduce (exact for an uneven last batch); pass it
         explicitly to avoid that collective. Outside ``strategy.run`` that all-reduce is
@@ -46,7 +48,8 @@ def compute_average_loss(per_example_loss: torch.Tensor | Any,
       A scalar tensor; summed over replicas it is the global-batch mean loss.
 
     Raises:
-      ValueError: a scalar `per_example_loss`, or a non-positive `global_batch_size`.
+      ValueError: a scalar `per_example_loss`, a `sample_weight` whose shape does not fit
+        it (named, with both shapes), or a non-positive `global_batch_size`.
     """
     if not isinstance(per_example_loss, torch.Tensor):
         per_example_loss = torch.as_tensor(per_example_loss)
@@ -56,7 +59,7 @@ def compute_average_loss(per_example_loss: torch.Tensor | Any,
     if global_batch_size is not None:
         global_batch_size = _checked_batch_size(global_batch_size)
     if sample_weight is not None:
-        per_example_loss = per_example_loss * sample_weight
+        per_example_loss = per_example_loss * _checked_weight(sample_weight, per_example_loss)
     # As in TensorFlow, every element is summed: a per-token loss of shape [batch, tokens]
     # gives sum / global_batch_size. Reduce the extra dimensions first to average them.
     if global_batch_size is None:
@@ -66,6 +69,44 @@ def compute_average_loss(per_example_loss: torch.Tensor | Any,
             return per_example_loss.sum()
         raise ValueError(f"global_batch_size must be positive, got {global_batch_size}.")
     return per_example_loss.sum() / global_batch_size
+
+
+def _checked_weight(sample_weight: torch.Tensor | float, per_example_loss: torch.Tensor
+                    ) -> torch.Tensor | float:
+    """`sample_weight` if multiplying keeps `per_example_loss`'s shape, else a ValueError
+    naming both shapes and the fix: a weight that broadcasts *up* ([batch, 1] against
+    [batch]) would silently sum a batch x batch product."""
+    if not isinstance(sample_weight, torch.Tensor):
+        if isinstance(sample_weight, numbers.Real) and not isinstance(sample_weight, bool):
+            return sample_weight
+        sample_weight = torch.as_tensor(sample_weight)
+    loss_shape = tuple(per_example_loss.shape)
+    weight_shape = tuple(sample_weight.shape)
+    try:
+        fits = torch.broadcast_shapes(loss_shape, weight_shape) == loss_shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        hint = ""
+        if len(weight_shape) > len(loss_shape) and \
+                sample_weight.numel() == per_example_loss.numel():
+            hint = (f" It has more dimensions than the loss: write "
+                    f"sample_weight.reshape({list(loss_shape)}).")
+        elif len(weight_shape) < len(loss_shape) and weight_shape and \
+                weight_shape[0] == loss_shape[0]:
+            hint = (" For one weight per example of a loss with more dimensions, write "
+                    "sample_weight[:, None] (or reshape it to "
+                    f"{(loss_shape[0],) + (1,) * (len(loss_shape) - 1)}).")
+        elif weight_shape and loss_shape and weight_shape[0] != loss_shape[0]:
+            hint = (f" It has {weight_shape[0]} weights for {loss_shape[0]} examples: give "
+                    "this replica's weights, one per example of its local batch (the "
+                    "same slice of the batch as the loss).")
+        raise ValueError(f"compute_average_loss: sample_weight of shape {list(weight_shape)} "
+                         f"does not fit per_example_loss of shape {list(loss_shape)}: it must "
+                         f"broadcast to that shape without changing it (a scalar, "
+                         f"{list(loss_shape[:1])} for a 1-D loss, or the loss's own shape)."
+                         + hint)
+    return sample_weight
 
 
 def _checked_batch_size(value: int | float | torch.Tensor) -> float:

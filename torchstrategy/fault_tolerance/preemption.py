@@ -32,10 +32,13 @@ state holds the position of its loader's random generators).
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import pickle
 import secrets
+import stat
+import tempfile
 import time
 from typing import Any, Callable, Iterator, Mapping
 
@@ -43,15 +46,16 @@ import torch
 import torch.distributed as dist
 
 from torchstrategy import _compat
-from torchstrategy.backup_and_restore import (broadcast_from_chief, check_private,
-                                              check_resize, checkpoint_extended,
-                                              global_batch_size, num_replicas, rng_state,
-                                              set_rng_state)
+from torchstrategy.backup_and_restore import (broadcast_from_chief, check_resize,
+                                              checkpoint_extended, global_batch_size,
+                                              num_replicas, rng_state, set_rng_state)
 from torchstrategy.checkpoint import remove_stale_temporaries, write_atomically
 from torchstrategy.cluster_resolver import ClusterResolver
-from torchstrategy.fault_tolerance.agreement import LocalAgreement, StoreAgreement
-from torchstrategy.fault_tolerance.termination import (TerminationConfig, Watcher,
-                                                       exit_for_restart)
+from torchstrategy.fault_tolerance.agreement import (LocalAgreement, SaveFailedError,
+                                                     StoreAgreement)
+from torchstrategy.fault_tolerance.termination import (RESTART_EXIT_CODE, TerminationConfig,
+                                                       Watcher, exit_for_restart,
+                                                       install_default_log_handler)
 from torchstrategy.launch import restart_marker
 from torchstrategy.launch import world as world_lib
 
@@ -101,6 +105,71 @@ def _check_resolver(cluster_resolver: ClusterResolver | None) -> None:
         cluster_resolver.worker_index  # raises, naming the task, for a non-training task
 
 
+def _check_directory(directory: str) -> None:
+    """Refuses, on the chief at construction, a checkpoint directory the save would fail in
+    or that someone else could plant a checkpoint in; creates it (mode 700) when missing.
+
+    Raises:
+      NotADirectoryError: `directory` (or a parent) is a file.
+      PermissionError: it cannot be made, is not writable by this process, is writable by
+        other users, or belongs to another user.
+    """
+    what = f"PreemptionCheckpointHandler: checkpoint_dir {directory}"
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise NotADirectoryError(f"{what} is a file, not a directory. Give the path of a "
+                                 "directory (it is created if missing) for this job's "
+                                 "checkpoint, e.g. one next to that file.")
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+    except OSError as error:
+        kind = NotADirectoryError if error.errno == errno.ENOTDIR else PermissionError
+        raise kind(f"{what} does not exist and cannot be created ({error.strerror}: "
+                   f"{error.filename}). Give a directory this job can create and write, or "
+                   "create it first.") from None
+    info = os.stat(directory)
+    if info.st_mode & 0o022 or info.st_uid != os.geteuid():
+        who = ("writable by every user" if info.st_mode & 0o002 else
+               "writable by its group" if info.st_mode & 0o020 else
+               f"owned by another user (uid {info.st_uid})")
+        raise PermissionError(
+            f"{what} is {who} (mode {stat.S_IMODE(info.st_mode):o}): someone else could "
+            "replace the checkpoint this job restores from. Give a directory of this job "
+            f"only (the handler creates a missing one with mode 700), or, if you trust it, "
+            f"run `chmod go-w {directory}` (and own it).")
+    # Try the write itself: permissions, a read-only mount, a full disk or a quota all
+    # show now rather than when the preemption comes and the checkpoint would be lost.
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".probe-", dir=directory)
+    except OSError as error:
+        raise PermissionError(f"{what} is not writable by this process ({error.strerror}); "
+                              "the checkpoint could not be saved when a preemption comes. "
+                              f"Make it writable (`chmod u+w {directory}`, a read-write "
+                              "mount) or give another directory.") from None
+    try:
+        os.write(handle, b"0")
+    finally:
+        os.close(handle)
+        os.unlink(probe)
+
+
+class PreemptionSaveError(RuntimeError):
+    """A preemption save failed on some replica: raised on every replica with the first
+    failure's reason (so it is not wrapped again as another replica's failure)."""
+
+
+def _mismatch(error: BaseException) -> str:
+    """The first specific line of a load_state_dict error (torch puts it second)."""
+    lines = [line.strip() for line in str(error).strip().splitlines()[1:] if line.strip()]
+    return lines[0].rstrip(".") if lines else "see the cause below"
+
+
+def _first_line(error: BaseException) -> str:
+    """``Type: first sentence`` of an error (torch's zip errors run on for a paragraph)."""
+    lines = str(error).strip().splitlines()
+    first = lines[0].split(". ")[0].rstrip(".") if lines else ""
+    return f"{type(error).__name__}: {first}".rstrip(": ")
+
+
 class PreemptionCheckpointHandler:
     """Saves a checkpoint at a step every replica agrees on when any one of them is told
     it will be terminated, exits for a restart, and restores that checkpoint on restart.
@@ -112,7 +181,10 @@ class PreemptionCheckpointHandler:
       checkpoint: dict of name -> object with ``state_dict()`` / ``load_state_dict()``.
         Names must stay the same between runs.
       checkpoint_dir: the directory of the checkpoint (``checkpoint_dir/preemption.pt``),
-        visible to the chief; keep it for this job only.
+        visible to the chief; keep it for this job only. The chief checks it when the
+        handler is made: created (mode 700) if missing, a directory, writable (a probe file
+        is written and removed), and writable by no other user; every replica then raises
+        the same error for a directory that fails.
       termination_config: a `TerminationConfig`; None: SIGTERM, ``sys.exit(42)``, no grace
         period.
 
@@ -122,11 +194,24 @@ class PreemptionCheckpointHandler:
     then on (signal handlers are installed in the main thread). `restored` tells whether
     it restored a checkpoint; `path` is the checkpoint file.
 
+    A save that fails on any replica (the chief's write, or a `save_fn` raising) is
+    recorded in the rendezvous store; every replica then raises a RuntimeError with that
+    reason within a fraction of a second instead of exiting for a restart. A replica that
+    waits for the chief (or the chief for the replicas) stops waiting when a signal comes
+    after the notice, such as torchrun's SIGTERM stopping the group.
+
+    What it does is logged at WARNING on the "torchstrategy" logger (the notice, the agreed
+    step, the save, the exit); while the program has configured no logging, those lines go
+    to stderr.
+
     Raises:
       TypeError / ValueError / NotImplementedError: bad arguments, named.
+      NotADirectoryError / PermissionError: a `checkpoint_dir` that fails the checks above.
       KeyError: a checkpoint without one of the names of `checkpoint`.
       ValueError: a checkpoint written with another global batch size, or by a different
         number of replicas when this run's global batch does not divide evenly.
+      RuntimeError: a checkpoint that is truncated or corrupt, not a preemption checkpoint,
+        or does not fit the objects (another model's), naming the file and the fix.
     """
 
     def __init__(self, cluster_resolver: ClusterResolver | None, checkpoint: Mapping[str, Any],
@@ -142,6 +227,7 @@ class PreemptionCheckpointHandler:
         if not isinstance(termination_config, TerminationConfig):
             raise TypeError(f"PreemptionCheckpointHandler: termination_config must be a "
                             f"ts.TerminationConfig or None, got {termination_config!r}.")
+        install_default_log_handler()
         self._resolver = cluster_resolver
         self._objects = dict(checkpoint)
         self._dir = os.path.abspath(os.fspath(checkpoint_dir))
@@ -158,6 +244,7 @@ class PreemptionCheckpointHandler:
         self._done = False
         self._step_seconds = 0.0
         self._save_seconds = 0.0
+        self._signals_at_target = 0     # signals seen when this round's step was agreed
         self.restored = False
         # A new attempt: a restart marker of the previous one (launch/restart_marker.py) no
         # longer holds.
@@ -181,30 +268,63 @@ class PreemptionCheckpointHandler:
         """The checkpoint file."""
         return os.path.join(self._dir, CHECKPOINT_FILE)
 
-    def _read(self) -> tuple[Any, str, str | None]:
-        """The chief's (payload, nonce, error) for everyone."""
+    def _read(self) -> tuple[Any, str, tuple[str, str] | None]:
+        """The chief's (payload, nonce, (error class, message)) for everyone: every replica
+        raises the chief's error, none is left waiting in a collective."""
         payload = error = None
         if self._is_chief:
             try:
-                check_private(self._dir)
-                if os.path.isdir(self._dir):
-                    remove_stale_temporaries(self._dir)  # left by a save killed midway
+                _check_directory(self._dir)
+                remove_stale_temporaries(self._dir)  # left by a save killed midway
                 if os.path.exists(self.path):
-                    # weights_only: tensors and plain values; a planted pickle runs nothing.
-                    payload = torch.load(self.path, map_location="cpu", weights_only=True)
-            except pickle.UnpicklingError as caught:
-                error = (f"The preemption checkpoint {self.path} holds objects other than "
-                         f"tensors and plain values and was not loaded "
-                         f"({str(caught).splitlines()[0]}); delete it to start afresh.")
+                    payload = self._load()
+            except (NotADirectoryError, PermissionError, RuntimeError) as caught:
+                error = (type(caught).__name__, str(caught))
             except Exception as caught:  # the broadcast below must still be reached
-                error = f"{type(caught).__name__}: {caught}"
+                error = ("RuntimeError", f"PreemptionCheckpointHandler could not read the "
+                         f"checkpoint in {self._dir} (on the chief): {_first_line(caught)}")
         return broadcast_from_chief((payload, secrets.token_hex(8), error))
+
+    def _load(self) -> Any:
+        """The chief: the checkpoint file's contents, or a RuntimeError naming the file and
+        the fix."""
+        afresh = ("delete it to start afresh (training then starts from step 0), or put "
+                  "back a complete copy")
+        try:
+            # weights_only: tensors and plain values; a planted pickle runs nothing.
+            payload = torch.load(self.path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as caught:
+            raise RuntimeError(f"The preemption checkpoint {self.path} holds objects other "
+                               f"than tensors and plain values and was not loaded "
+                               f"({str(caught).splitlines()[0]}); delete it to start "
+                               "afresh.") from None
+        except OSError as caught:
+            if caught.errno in (errno.EACCES, errno.EPERM):
+                raise RuntimeError(f"The preemption checkpoint {self.path} cannot be read "
+                                   f"by this process ({caught.strerror}); make it readable "
+                                   "(`chmod u+r`) or point the handler at another "
+                                   "directory.") from None
+            raise RuntimeError(f"The preemption checkpoint {self.path} is truncated or "
+                               f"corrupt ({_first_line(caught)}); {afresh}.") from None
+        except Exception as caught:
+            # An empty file (EOFError), a cut zip ("failed finding central directory"):
+            # the handler's own writes are atomic, so a copy or a full disk did this.
+            raise RuntimeError(f"The preemption checkpoint {self.path} is truncated or "
+                               f"corrupt ({_first_line(caught)}); {afresh}.") from None
+        if not (isinstance(payload, dict) and "total_run_calls" in payload
+                and "objects" in payload):
+            raise RuntimeError(f"{self.path} is not a preemption checkpoint written by "
+                               "ts.PreemptionCheckpointHandler (it lacks total_run_calls / "
+                               "objects); delete it or point the handler at another "
+                               "directory.")
+        return payload
 
     def _restore(self) -> str:
         payload, nonce, error = self._read()
         if error is not None:
-            raise RuntimeError(f"PreemptionCheckpointHandler could not read the checkpoint in "
-                               f"{self._dir} (on the chief): {error}")
+            kind, message = error
+            raise {"NotADirectoryError": NotADirectoryError,
+                   "PermissionError": PermissionError}.get(kind, RuntimeError)(message)
         if payload is None:
             return nonce
         objects = payload["objects"]
@@ -223,7 +343,15 @@ class PreemptionCheckpointHandler:
         if objects is not None:
             extended = checkpoint_extended()
             for name, obj in self._objects.items():
-                extended.load_state_dict_from_checkpoint(obj, objects[name])
+                try:
+                    extended.load_state_dict_from_checkpoint(obj, objects[name])
+                except Exception as caught:  # torch's "size mismatch", "Missing key(s)"
+                    raise RuntimeError(
+                        f"The preemption checkpoint {self.path} does not fit "
+                        f"checkpoint[{name!r}] ({_first_line(caught)}; "
+                        f"{_mismatch(caught)}): it was written by another model or "
+                        "configuration. Delete it to start afresh, or point the handler "
+                        "at this job's own directory.") from caught
         rng = payload.get("rng") or {}
         if payload.get("num_replicas") == num_replicas() and _rank() in rng:
             set_rng_state(rng[_rank()])
@@ -301,10 +429,16 @@ class PreemptionCheckpointHandler:
             return
         if self._target is None:
             self._target = self._agreement.agreed(self._round)
-        if self._target is None and self._watcher.notice.is_set():
-            self._lead()
-        if self._target is None:
-            return
+            if self._target is None and self._watcher.notice.is_set():
+                self._lead()
+            if self._target is None:
+                return
+            self._signals_at_target = self._watcher.signals_received
+            logger.warning(f"torchstrategy: replica {_rank()}: the replicas agreed to save "
+                           f"the preemption checkpoint after step {self._target[0]} "
+                           f"(this replica has run {self._run_calls})"
+                           + ("." if self._target[1] else "; training goes on after it, "
+                              "in the grace period."))
         step, final = self._target
         if self._run_calls < step:
             return
@@ -357,32 +491,71 @@ class PreemptionCheckpointHandler:
             return max(self._watcher.notice_time + self._grace - time.monotonic(), 1.0)
         return self._timeout
 
+    def _interrupted(self) -> bool:
+        """A signal came after this round's step was agreed (torchrun's agent stopping the
+        group, a second notice): a wait of the save ends at once."""
+        return self._watcher.signals_received > self._signals_at_target
+
+    def _save_failed(self, error: BaseException | str) -> PreemptionSaveError:
+        """Records this replica's failure for the others (first one wins) and returns the
+        error to raise, with the first reason."""
+        if isinstance(error, BaseException):
+            error = self._agreement.report_save_failure(
+                self._round, f"replica {_rank()}: {_first_line(error)}")
+        logger.warning(f"torchstrategy: replica {_rank()}: the preemption checkpoint was not "
+                       f"saved ({error}); exiting with the error, not for a restart.")
+        return PreemptionSaveError(
+            f"PreemptionCheckpointHandler: the preemption checkpoint {self.path} was not "
+            f"saved after step {self._run_calls}: {error}. Nothing was saved for this "
+            "preemption, so this replica stops with this error instead of exiting for a "
+            "restart (a restart would resume from the previous checkpoint, if any). Fix the "
+            "cause (the directory's permissions or free space, or the save_fn).")
+
     def _save(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         started = time.monotonic()
-        self._agreement.offer_rng(self._round, rng_state())
+        rng = rng_state()  # before save_fn, which might draw random numbers
         save_fn = self._config.save_fn
-        if save_fn is not None:
-            save_fn(*args, **kwargs)
-        else:
-            # Every replica takes part: a strategy that shards parameters (or partitions
-            # optimizer state) gathers them here; the chief writes its result.
-            extended = checkpoint_extended()
-            states = {name: extended.state_dict_for_checkpoint(obj)
-                      for name, obj in self._objects.items()}
+        try:
+            if save_fn is not None:
+                save_fn(*args, **kwargs)
+            else:
+                # Every replica takes part: a strategy that shards parameters (or
+                # partitions optimizer state) gathers them here; the chief writes its result.
+                extended = checkpoint_extended()
+                states = {name: extended.state_dict_for_checkpoint(obj)
+                          for name, obj in self._objects.items()}
+        except Exception as error:
+            raise self._save_failed(error) from error
+        # Offered once this replica's part is done: the chief writes only after every part.
+        self._agreement.offer_rng(self._round, rng)
         if self._is_chief:
-            rng = self._agreement.collect_rng(self._round, self._wait_bound())
+            try:
+                rngs = self._agreement.collect_rng(self._round, self._wait_bound(),
+                                                   self._interrupted)
+            except SaveFailedError as failed:
+                raise self._save_failed(str(failed)) from None
             payload = {"format": _FORMAT, "total_run_calls": self._run_calls,
-                       "num_replicas": num_replicas(), "rng": rng,
+                       "num_replicas": num_replicas(), "rng": rngs,
                        "objects": None if save_fn is not None else states,
                        "global_batch_sizes": {name: global_batch_size(obj)
                                               for name, obj in self._objects.items()
                                               if global_batch_size(obj) is not None}}
-            write_atomically(payload, self.path, directory_mode=0o700)
+            try:
+                write_atomically(payload, self.path, directory_mode=0o700)
+            except Exception as error:
+                raise self._save_failed(error) from error
             self._agreement.mark_saved(self._round)
             logger.warning(f"torchstrategy: preemption checkpoint written to {self.path} "
                            f"after {self._run_calls} steps.")
         else:
-            self._agreement.wait_saved(self._round, self._wait_bound())
+            try:
+                if self._agreement.wait_saved(self._round, self._wait_bound(),
+                                              self._interrupted):
+                    logger.warning(f"torchstrategy: replica {_rank()}: the chief wrote the "
+                                   f"preemption checkpoint {self.path} after "
+                                   f"{self._run_calls} steps.")
+            except SaveFailedError as failed:
+                raise self._save_failed(str(failed)) from None
         self._save_seconds = time.monotonic() - started
 
     def _finish(self) -> None:
@@ -391,6 +564,13 @@ class PreemptionCheckpointHandler:
         # (a replica stuck on its way out must not ignore the SIGTERM that torchrun's agent
         # sends to stop the group). If exit_fn returns, training goes on unwatched.
         self._watcher.stop()
+        if self._config.exit_fn is None:
+            logger.warning(f"torchstrategy: replica {_rank()}: exiting with code "
+                           f"{RESTART_EXIT_CODE} after the preemption checkpoint, for "
+                           "torchrun or the scheduler to restart the job.")
+        else:
+            logger.warning(f"torchstrategy: replica {_rank()}: calling "
+                           "TerminationConfig.exit_fn after the preemption checkpoint.")
         # Tells a `requeue_exit` wrapper that this exit asks for a restart, whatever code
         # the launchers in between end with (torchrun: 1).
         restart_marker.write_marker(f"replica {_rank()}: preemption checkpoint {self.path} "
@@ -407,7 +587,7 @@ class PreemptionCheckpointHandler:
                 raise
             mine = f"replica {_rank()}: {type(error).__name__}: {error}"
             first = self._agreement.report_error(mine)
-            if first != mine:
+            if first != mine and not isinstance(error, PreemptionSaveError):
                 raise RuntimeError(f"A step failed on another replica first ({first}); this "
                                    f"replica then failed with {type(error).__name__}.") \
                     from error

@@ -17,6 +17,8 @@ import time
 from types import FrameType
 from typing import Any, Callable, Iterable
 
+from torchstrategy import runtime
+
 logger = logging.getLogger("torchstrategy")
 
 # The exit code after a preemption checkpoint (TensorFlow's choice). torchrun restarts a
@@ -26,6 +28,54 @@ RESTART_EXIT_CODE = 42
 
 # How often a `termination_watcher_fn` is asked (it must not block).
 _POLL_SECONDS = 1.0
+
+
+class _StderrUnlessConfigured(logging.Handler):
+    """Prints the library's warnings to stderr while the program has configured no logging
+    (no handler on the root logger, none of its own on the library's loggers); silent once
+    it has, so nothing is printed twice.
+
+    The library's logger carries a NullHandler (so `import torchstrategy` configures
+    nothing), which also keeps Python's last-resort handler from printing: without this
+    handler a preemption, its save and the exit would leave no trace in a plain program's
+    output. Writes to the `sys.stderr` of the moment (a redirected one included).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if _logging_configured(logging.getLogger(record.name)):
+            return
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+            sys.stderr.flush()
+        except Exception:  # a closed stderr must not break the save
+            self.handleError(record)
+
+
+def _logging_configured(start: logging.Logger) -> bool:
+    """True if a record of `start` reaches a handler the program installed."""
+    current: logging.Logger | None = start
+    while current is not None:
+        if any(not isinstance(h, (logging.NullHandler, _StderrUnlessConfigured))
+               for h in current.handlers):
+            return True
+        if not current.propagate:
+            return False
+        current = current.parent
+    return False
+
+
+def install_default_log_handler() -> None:
+    """Makes the "torchstrategy" logger's warnings visible on stderr in a program that
+    configured no logging (once per process; a program that configures logging, before
+    or after, gets its own handlers alone). Called when a `PreemptionCheckpointHandler` is
+    made, never at import."""
+    runtime.current().install_once(
+        "torchstrategy.fault_tolerance.stderr_log_handler",
+        lambda: logger.addHandler(_StderrUnlessConfigured()))
 
 
 def exit_for_restart() -> None:

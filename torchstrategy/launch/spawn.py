@@ -4,8 +4,10 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import shutil
 import signal
 import sys
+import threading
 import time
 import traceback
 import multiprocessing
@@ -37,6 +39,39 @@ class RemoteTraceback(Exception):
 
 class ReplicaFailed(RuntimeError):
     """A replica process died without reporting an exception (killed, os._exit, crash)."""
+
+
+class _Terminated(BaseException):
+    """SIGTERM reached the launcher: unwinds `launch` so that its clean-up runs."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    del frame
+    raise _Terminated(signum)
+
+
+def _catch_sigterm() -> Any:
+    """Makes SIGTERM unwind `launch` (instead of ending the process where it stands, which
+    leaves the replicas to notice alone and the /tmp/pymp-* directory behind). Returns the
+    handler to put back, or None where it is left alone: outside the main thread, or when
+    the program installed its own handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+    return signal.signal(signal.SIGTERM, _raise_terminated)
+
+
+def _die_of_sigterm(temp_dir: str | None) -> None:
+    """After the replicas are stopped: removes the multiprocessing directory (the normal
+    exit that would remove it does not come) and ends this process by SIGTERM, as it would
+    have ended without `_catch_sigterm`, so its parent sees the same exit status."""
+    if temp_dir is not None:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _replica_main(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
@@ -122,6 +157,10 @@ def launch(fn: Callable[..., Any], *args: Any, num_replicas: int,
     Returns:
       Replica 0's return value (it must be picklable).
 
+    A SIGTERM to the calling process (when the program has no handler of its own for it
+    and `launch` runs in the main thread) stops the replicas, removes the multiprocessing
+    directory (``/tmp/pymp-*``) and then ends the process by SIGTERM as usual.
+
     Raises:
       The first exception raised by any replica (its traceback attached as the cause); the
       other replicas are terminated at once. `ReplicaFailed` if a replica died without an
@@ -147,6 +186,7 @@ def launch(fn: Callable[..., Any], *args: Any, num_replicas: int,
                                    datetime.timedelta(seconds=timeout))
     processes: list[BaseProcess] = []
     readers: dict[connection.Connection, int] = {}
+    previous = _catch_sigterm()
     try:
         for rank in range(num_replicas):
             reader, writer = context.Pipe(duplex=False)
@@ -159,8 +199,14 @@ def launch(fn: Callable[..., Any], *args: Any, num_replicas: int,
             processes.append(process)
             readers[reader] = rank
         return _collect(processes, readers)
+    except _Terminated:
+        _terminate(processes)
+        _die_of_sigterm(temp_dir)
+        raise  # not reached: the signal's default action ends the process
     finally:
         _terminate(processes)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         del store
 
 

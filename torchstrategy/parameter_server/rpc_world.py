@@ -78,6 +78,19 @@ def check_cluster(spec: ClusterSpec) -> None:
             raise ValueError(f"ParameterServerStrategy needs at least one {job!r} task in the "
                              f"cluster spec, got {spec.as_dict()!r}.")
     store_task(spec)
+    # Every task listens on its own address: two tasks given one would never both join
+    # (the second cannot listen there), and the chief would wait its whole startup_timeout.
+    seen: dict[tuple[str, int], str] = {}
+    for job in spec.jobs:
+        for index in spec.task_indices(job):
+            host, port = parse_address(spec.task_address(job, index))
+            key = (host.lower(), port)
+            if key in seen:
+                raise ValueError(
+                    f"The cluster spec gives {task_name(job, index)} and {seen[key]} the same "
+                    f"address {spec.task_address(job, index)}: every task needs its own "
+                    f"host:port (tasks on one machine need different ports).")
+            seen[key] = task_name(job, index)
 
 
 # -- network interfaces ------------------------------------------------------------------
