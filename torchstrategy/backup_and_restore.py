@@ -30,6 +30,7 @@ the others, so only the chief's machine needs to see `backup_dir`.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -44,6 +45,7 @@ from torch.utils.data import DataLoader
 
 from torchstrategy import context, ownership
 from torchstrategy.checkpoint import remove_stale_temporaries, write_atomically
+from torchstrategy.collectives.communicator import explained_failures
 from torchstrategy.input.distributed_dataset import DistributedDataset
 
 logger = logging.getLogger("torchstrategy")
@@ -89,6 +91,16 @@ def _barrier() -> None:
             dist.barrier(device_ids=[torch.cuda.current_device()])
         else:
             dist.barrier()
+
+
+def _explained(what: str) -> contextlib.AbstractContextManager[None]:
+    """A failed collective of `what` explained as the strategy's own are: a replica that
+    died (a machine lost under an elastic job) is named, not only the backend's "Connection
+    reset by peer" (`explained_failures`, with the strategy's roll call)."""
+    if not _distributed():
+        return contextlib.nullcontext()
+    diagnose = getattr(getattr(checkpoint_extended(), "communicator", None), "diagnose", None)
+    return explained_failures(what, dist.get_rank(), diagnose)
 
 
 def rng_state() -> dict[str, Any]:
@@ -305,8 +317,9 @@ class BackupAndRestore:
                     "start afresh.")
             except BaseException as caught:  # the broadcast below must still be reached
                 error = caught
-        payload = broadcast_from_chief(("error", None) if error is not None else
-                                        ("ok", payload))
+        with _explained("BackupAndRestore's read of the backup"):
+            payload = broadcast_from_chief(("error", None) if error is not None else
+                                            ("ok", payload))
         if error is not None:
             raise error
         if payload[0] == "error":
@@ -418,7 +431,8 @@ class BackupAndRestore:
     def save(self) -> None:
         """Backs up the tracked objects and the position now (every replica calls it; the
         chief writes). `epochs` and `steps` call it per `save_freq`."""
-        rng = gather_to_chief({"now": rng_state(), "epoch_start": self._epoch_rng})
+        with _explained("BackupAndRestore's save"):
+            rng = gather_to_chief({"now": rng_state(), "epoch_start": self._epoch_rng})
         # Every replica takes part: a strategy that shards parameters gathers them here.
         extended = checkpoint_extended()
         states = {name: extended.state_dict_for_checkpoint(obj)
@@ -429,7 +443,8 @@ class BackupAndRestore:
                 self._write(rng, states)
             except BaseException as caught:  # the barrier below must still be reached
                 error = caught
-        _barrier()
+        with _explained("BackupAndRestore's save"):
+            _barrier()
         if error is not None:
             raise error
 
@@ -457,7 +472,8 @@ class BackupAndRestore:
                 os.rmdir(self.backup_dir)
             except OSError:
                 pass  # not empty (the user's files) or already gone
-        _barrier()
+        with _explained("BackupAndRestore's deletion of the backup"):
+            _barrier()
 
     def __repr__(self) -> str:
         return (f"BackupAndRestore({self.backup_dir!r}, save_freq={self.save_freq!r}, "
