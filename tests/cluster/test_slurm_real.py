@@ -30,8 +30,12 @@ from torchstrategy.launch.restart_marker import MARKER_VARIABLE
 
 SCRIPT = os.path.join(SCRIPTS, "slurm_train.py")
 SAMPLES, STEPS_PER_EPOCH, EPOCHS = 48, 8, 2
-JOB_TIMEOUT = 150      # a bound on every wait for a job (a loaded 2-core machine is slow)
+JOB_TIMEOUT = 120      # a bound on every wait for a job (a loaded 2-core machine is slow)
 SLOW = 0.5             # seconds per step in a job's first attempt: time to preempt it
+
+# Each test waits for at most two bounded phases of a job (JOB_TIMEOUT each); the suite's
+# default of 300 s would cut the second short on a loaded machine.
+pytestmark = pytest.mark.timeout(3 * JOB_TIMEOUT)
 
 
 def _env(**extra):

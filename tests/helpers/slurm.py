@@ -26,7 +26,7 @@ import time
 
 import pytest
 
-GRACE_SECONDS = 20
+GRACE_SECONDS = 60
 START_TIMEOUT = 30
 BINARIES = ("munged", "slurmctld", "slurmd", "slurmstepd", "sinfo", "srun", "sbatch",
             "scontrol", "scancel")
