@@ -21,6 +21,8 @@ want_deps="$want_deps lightning pytorch-lightning torchmetrics"
 want_deps="$want_deps mypy"
 # Plots of scripts/convergence_compression.py (docs/images/).
 want_deps="$want_deps matplotlib"
+# safetensors files for ts.load_pretrained (an optional dependency of the library).
+want_deps="$want_deps safetensors"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want_deps" ]; then
   "$PY" -m pip install -q --upgrade pip
   "$PY" -m pip install -q torch==2.13.0

@@ -63,8 +63,10 @@ from torchstrategy.lightning_base.backup import BackupAndRestoreCallback
 __version__ = "0.1.0"
 
 # Imported when first used: ShardedStrategy needs torch's FSDP2 and DTensor, which take
-# longer to import than the rest of torchstrategy (every replica process pays for it).
-_LAZY = {"ShardedStrategy": "torchstrategy.strategies.sharded"}
+# longer to import than the rest of torchstrategy (every replica process pays for it);
+# load_pretrained needs DTensor and torch.distributed.checkpoint.
+_LAZY = {"ShardedStrategy": "torchstrategy.strategies.sharded",
+         "load_pretrained": "torchstrategy.strategies.sharding.pretrained"}
 
 
 def __getattr__(name):
@@ -136,6 +138,7 @@ __all__ = [  # one name a line, sorted: adding a name touches one line
     "has_strategy",
     "in_cross_replica_context",
     "launch",
+    "load_pretrained",
     "metrics",
     "mixed_precision",
     "parameter_server",

@@ -162,6 +162,22 @@ def module_persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.
             if tensor is not None and name not in module._non_persistent_buffers_set]
 
 
+# -- torch.distributed.checkpoint (torch 2.13) ------------------------------------------
+def dcp_file_extents(metadata: Any) -> dict[str, int]:
+    """For a ``torch.distributed.checkpoint`` `Metadata`: each data file it refers to
+    (relative to the checkpoint directory) -> the bytes that file must hold at least (the
+    end of the last item read from it).
+
+    ``Metadata.storage_data`` is public, but what it maps to is the file-system storage's
+    private ``_StorageInfo`` record (``relative_path``, ``offset``, ``length``); no public
+    API lists a checkpoint's files. Checked against torch 2.13.0 (FileSystemWriter)."""
+    extents: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        path = info.relative_path
+        extents[path] = max(extents.get(path, 0), int(info.offset) + int(info.length))
+    return extents
+
+
 # -- torch.optim (torch 2.4 - 2.13) --------------------------------------------------
 def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
     """Tells torch's LR schedulers that `optimizer.step()` ran (it ran on the parameter

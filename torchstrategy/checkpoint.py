@@ -21,6 +21,13 @@ import torch.distributed as dist
 
 from torchstrategy import context
 
+# Every checkpoint the library writes is private to its owner: files 0600 (``mkstemp``'s),
+# directories created 0700 (sharded checkpoints: strategies/sharding/state.py).
+FILE_MODE = 0o600
+DIRECTORY_MODE = 0o700
+# A sharded (torch.distributed.checkpoint) checkpoint is a directory holding this file.
+_SHARDED_MARKER = ".metadata"
+
 
 class _ProcessGroupFacts:
     """Outside any scope in a multi-replica program (the usual place for checkpointing)
@@ -146,11 +153,21 @@ def load(path: str | os.PathLike[str],
 
     Raises:
       FileNotFoundError: naming the path.
+      IsADirectoryError: a directory (a sharded checkpoint: the error names the call that
+        loads it).
       pickle.UnpicklingError: for a checkpoint that needs ``weights_only=False``.
     """
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"No checkpoint at {path!r}.")
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, _SHARDED_MARKER)):
+            raise IsADirectoryError(
+                f"{path!r} is a sharded checkpoint (a torch.distributed.checkpoint directory, "
+                "as ShardedStrategy's save_checkpoint writes), not a file: load it on every "
+                "replica with strategy.extended.load_checkpoint(path, model, optimizer), or "
+                "its weights alone into any model with ts.load_pretrained(model, path).")
+        raise IsADirectoryError(f"{path!r} is a directory, not a checkpoint file.")
     if map_location is None:
         ext, _ = _strategy_facts()
         map_location = ext.torch_device or torch.device("cpu")

@@ -46,7 +46,7 @@ EXTENSIONS = {f"{PACKAGE_NAME}._C"}
 
 # Imports allowed inside a function: optional dependencies only, never to dodge a cycle.
 OPTIONAL = ("lightning", "pytorch_lightning", "torch_xla", "ray", "importlib", "cloudpickle",
-            "numpy", "torchmetrics")
+            "numpy", "torchmetrics", "safetensors")
 
 # Our own modules that may be imported inside a function, with the reason. They still count
 # for the layer and cycle checks: deferring an import changes when it runs, not the graph.
@@ -54,6 +54,9 @@ DEFERRED = {
     f"{PACKAGE_NAME}.strategies.sharded":
         "FSDP2 and DTensor more than double every replica's import time; only "
         "ShardedStrategy needs them, so it is imported when first used",
+    f"{PACKAGE_NAME}.strategies.sharding.pretrained":
+        "ts.load_pretrained needs DTensor and torch.distributed.checkpoint (as slow to "
+        "import as FSDP2): imported when first used",
 }
 
 # Dynamic imports whose name the parser cannot resolve: (module, argument as written) ->

@@ -254,6 +254,8 @@ class ShardedExtended(SPMDExtended):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
         self._stale.add(root, before)
+        # model.load_state_dict(full plain state_dict) keeps each replica's part.
+        state.route_full_state_dicts(root)
         self._roots.append(weakref.ref(root))
 
     # -- running ---------------------------------------------------------------------------
