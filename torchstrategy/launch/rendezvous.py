@@ -121,7 +121,8 @@ def torchrun_store(world: World, timeout: datetime.timedelta) -> dist.Store | No
             warnings.warn(
                 "torchrun restarts this multi-machine job (--max-restarts) with its shared "
                 "rendezvous store: a restarted round can then read the previous round's "
-                "addresses and fail or hang in set-up. Start torchrun with "
+                "addresses and fail or hang in set-up, and a machine joining an elastic job "
+                "(--nnodes=MIN:MAX) can hang in torchrun's rendezvous. Start torchrun with "
                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment on every machine.",
                 RuntimeWarning, stacklevel=2)
         return None
