@@ -12,16 +12,19 @@ tests/helpers/slurm.py) running what docs/fault_tolerance.md tells users to run.
   because the handler left its restart marker.
 
 The training program is tests/scripts/slurm_train.py; the reference (one process, no
-SLURM) runs once for the module, beside the first job.
+SLURM) runs once for the module, beside the first job. The last tests need no SLURM: the
+wrapper's exit codes and errors, and the handler writing and clearing the marker.
 """
 import os
 import re
+import signal
 import subprocess
 import sys
 
 import pytest
 import torch
 
+import torchstrategy as ts
 from tests.helpers import ROOT, SCRIPTS
 from tests.helpers.multi_machine import clean_env, free_port
 from tests.helpers.slurm import slurm_cluster  # noqa: F401  (the fixture)
@@ -228,3 +231,43 @@ def test_requeue_exit_refuses_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         requeue_exit.main(["--", "/nonexistent/launcher"])
     assert "/nonexistent/launcher" in capsys.readouterr().err
+
+
+def test_handler_writes_the_marker_at_a_preemption_and_clears_it_on_restart(
+        tmp_path, monkeypatch):
+    """One process: the handler writes the marker after its save, just before exit_fn, a
+    new handler (the restart) removes it, and an exit_fn that returns removes it too."""
+    marker = tmp_path / "preempted"
+    monkeypatch.setenv(MARKER_VARIABLE, str(marker))
+
+    class Restart(Exception):
+        pass
+
+    seen = {}
+
+    def exit_for_restart():
+        seen["marker"] = marker.read_text() if marker.exists() else None
+        raise Restart()
+
+    def train(exit_fn, steps=4):
+        model = torch.nn.Linear(2, 1)
+        handler = ts.PreemptionCheckpointHandler(
+            None, {"model": model}, tmp_path / "ckpt", ts.TerminationConfig(exit_fn=exit_fn))
+        with handler.watch_preemption_scope():
+            for step in range(handler.total_run_calls, steps):
+                if step == 1 and not handler.restored:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                handler.run(lambda: None)
+        return handler
+
+    with pytest.raises(Restart):
+        train(exit_for_restart)
+    assert seen["marker"].startswith("replica 0: preemption checkpoint ")
+    assert "after 2 steps" in seen["marker"]
+    assert marker.exists()                  # left for the wrapper: the process exits now
+    handler = train(exit_for_restart)       # the restart
+    assert handler.restored and not marker.exists()
+
+    (tmp_path / "ckpt" / "preemption.pt").unlink()
+    train(lambda: None)                     # exit_fn returns: training goes on
+    assert not marker.exists()
