@@ -5,7 +5,8 @@ One launch of 2 replicas checks:
 - a torch.save file (memory-mapped), a safetensors file, a plain DCP directory and one
   written by ShardedStrategy's save_checkpoint ("model." keys) each load into a sharded
   model exactly as ``load_state_dict`` of the same state_dict loads into an unsharded one
-  (bit for bit; shards of uneven size, a 0-dim buffer); also under MirroredStrategy;
+  (bit for bit; shards of uneven size, a 0-dim buffer); also on a 2-D (hybrid) mesh and
+  under MirroredStrategy; a model still on meta is refused, naming the key;
 - a missing key, an unexpected key and a shape mismatch raise on every replica, naming the
   key, before anything is copied; strict=False loads the common keys and returns the others;
 - the proof that a replica reads only its slices: the elements safetensors materialises
@@ -214,6 +215,23 @@ def replica(sources, checkpoint_dir):
         got = export(strategy, model)
         if chief:
             assert_exact(got, unsharded(pretrained_state(seed)), name)
+
+    # A 2-D mesh (replicate x shard; one replica per shard group: Replicate, then Shard
+    # over 1), and a model still on meta inside the scope.
+    hybrid = ts.ShardedStrategy(shard_group_size=1)
+    with hybrid.scope():
+        replicated = Net()
+        with torch.device("meta"):
+            on_meta = Net()
+        errors_meta = error_of(lambda: ts.load_pretrained(on_meta, sources["torch"]))
+    assert [type(p).__name__ for p in replicated.hidden.weight.placements] == \
+        ["Replicate", "Shard"]
+    ts.load_pretrained(replicated, sources["safetensors"])
+    got = export(hybrid, replicated)
+    if chief:
+        assert_exact(got, unsharded(pretrained_state(2)), "2-D mesh")
+    assert errors_meta[0] == "ValueError" and "'embed.weight' is on the meta device" in \
+        errors_meta[1] and "after the strategy.scope()" in errors_meta[1], errors_meta
 
     # A checkpoint of ShardedStrategy's own ("model." keys, optimizer beside).
     with strategy.scope():

@@ -98,6 +98,7 @@ def load_pretrained(model: torch.nn.Module, source: str | os.PathLike[str], *,
     result = LoadResult([], [])
     problem = None
     try:
+        _check_not_meta(targets)
         opened = _open(path)
         plan, result = _plan(targets, opened.shapes, strict, path)
     except (OSError, KeyError, ValueError, RuntimeError) as error:
@@ -112,6 +113,18 @@ def load_pretrained(model: torch.nn.Module, source: str | os.PathLike[str], *,
         if opened is not None:
             opened.close()
     return result
+
+
+def _check_not_meta(targets: Mapping[str, torch.Tensor]) -> None:
+    """Copying into a meta tensor does nothing: refuse a model not materialised yet."""
+    for key, tensor in targets.items():
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if local.is_meta:
+            raise ValueError(
+                f"load_pretrained: the model's {key!r} is on the meta device (no memory, "
+                "nothing to copy into). Call load_pretrained after the strategy.scope() that "
+                "built the model: ShardedStrategy allocates the shards when the scope exits "
+                "(without a strategy: model.to_empty(device=...) first).")
 
 
 def _plan(targets: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]],
@@ -218,6 +231,12 @@ def _load_dcp(path: str, targets: Mapping[str, torch.Tensor], sharded: bool, str
     """From a DCP directory: the keys and shapes are checked against its metadata, then
     DCP reads into the model's own tensors (for a DTensor, only the stored chunks that
     overlap its local shard)."""
+    problem = None
+    try:
+        _check_not_meta(targets)
+    except ValueError as error:
+        problem = state.problem_of(error)
+    state.agree(problem, collective=sharded)
     metadata = state.read_dcp_metadata(path, collective=sharded)
     stored = {key: tuple(meta.size) for key, meta in metadata.state_dict_metadata.items()
               if hasattr(meta, "size")}  # tensors only (optimizer hyper-parameters are bytes)

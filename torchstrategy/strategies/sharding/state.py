@@ -401,6 +401,10 @@ def save(path: str | os.PathLike[str], model: torch.nn.Module,
     os.makedirs(path, mode=checkpoint.DIRECTORY_MODE, exist_ok=True)
     if _rank_and_size()[0] == 0:
         os.chmod(path, checkpoint.DIRECTORY_MODE)  # also when it existed
+        # A save over an earlier one: its record would not match the new files, and a
+        # save that stops before recording must leave none (sizes are still checked).
+        if os.path.exists(os.path.join(path, CHECKSUMS)):
+            os.unlink(os.path.join(path, CHECKSUMS))
     metadata = dcp.save(_checkpoint_state(model, optimizer), checkpoint_id=path)
     _write_checksums(path, metadata)
 
