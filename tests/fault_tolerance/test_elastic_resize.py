@@ -51,7 +51,9 @@ def _command(port, run_id, out, is_host):
             "--nproc-per-node=1", "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
             f"--rdzv-conf=is_host={int(is_host)},{RDZV_CONF}", "--max-restarts=3",
-            "--monitor-interval=0.2", SCRIPT, str(out), "--slow", str(SLOW),
+            "--monitor-interval=0.2",
+            # Not a /tmp/torchelastic_* directory per agent, which a lost agent leaves.
+            f"--log-dir={os.path.join(out, 'torchelastic')}", SCRIPT, str(out), "--slow", str(SLOW),
             "--slow-steps", str(STEPS_PER_EPOCH), "--hold-at", str(HOLD_AT),
             "--hold-seconds", str(WAIT)]
 
