@@ -341,6 +341,22 @@ def test_one_device_loads_the_same(tmp_path):
         assert ts.load_pretrained(model, sources[name]) == ([], [])
         assert_exact({k: v.detach() for k, v in model.state_dict().items()},
                      unsharded(pretrained_state(seed)), name)
+    # bf16 weights into a float32 model: converted, as load_state_dict does.
+    low = {k: v.to(torch.bfloat16) if v.is_floating_point() else v
+           for k, v in pretrained_state(6).items()}
+    for name in ("pt", "safetensors", "dcp"):
+        path = str(tmp_path / f"bf16.{name}")
+        if name == "pt":
+            torch.save(low, path)
+        elif name == "safetensors":
+            safetensors_torch.save_file(low, path)
+        else:
+            dcp.save(low, checkpoint_id=path, no_dist=True)
+        model = Net()
+        ts.load_pretrained(model, path)
+        assert_exact({k: v.detach() for k, v in model.state_dict().items()},
+                     unsharded({k: v.float() if v.is_floating_point() else v
+                                for k, v in low.items()}), f"bf16 {name}")
     with pytest.raises(KeyError, match=r"'layers\.1\.weight'"):
         ts.load_pretrained(Net(), sources["missing"])
     with pytest.raises(ValueError, match=r"'head\.weight' has shape \[5, 32\] there"):
