@@ -32,6 +32,8 @@ MirroredStrategy is not run: each of its replicas would hold the whole training 
 the comparison with MemTotal).
 """
 import argparse
+import ctypes
+import ctypes.util
 import statistics
 import subprocess
 import sys
@@ -54,6 +56,10 @@ parser.add_argument("--batch", type=int, default=1, help="per replica")
 parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--limit", type=float, default=0.35,
                     help="the largest (peak - baseline) / full training state accepted")
+parser.add_argument("--mmap-threshold", type=int, default=1 << 20,
+                    help="glibc's M_MMAP_THRESHOLD in bytes, set in every replica before "
+                    "the model exists (0: glibc's default, a threshold that rises up to 32 "
+                    "MiB; see the module docstring)")
 parser.add_argument("--quick", action="store_true",
                     help="a tiny model on 2 replicas: checks the script runs (no limit)")
 
@@ -125,10 +131,24 @@ def local_bytes(tensor):
     return tensor.numel() * tensor.element_size()
 
 
+def set_mmap_threshold(size):
+    """Makes glibc serve every allocation of `size` bytes or more with its own mmap, given
+    back to the system when freed (``mallopt(M_MMAP_THRESHOLD, size)``, which also turns
+    off the threshold's rise). Returns False where the C library has no mallopt."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "mallopt"):
+        return False
+    m_mmap_threshold = -3  # from glibc's malloc.h
+    return bool(libc.mallopt(m_mmap_threshold, size))
+
+
 def main(args):
     if args.quick:
         args.replicas, args.width, args.layers, args.vocab = 2, 64, 2, 64
         args.seq, args.batch, args.steps = 8, 2, 2
+    # Before the strategy: every replica (re-executed from this script) runs this first.
+    args.mmap_set = bool(args.mmap_threshold) and set_mmap_threshold(args.mmap_threshold)
     strategy = ts.ShardedStrategy(devices=[f"cpu:{i}" for i in range(args.replicas)])
     ext = strategy.extended
     figures = {"started": peak_kib()}
@@ -191,6 +211,8 @@ def report(args, parameters, baseline, every, step_seconds, losses):
           + ", ".join(f"{loss:.3f}" for loss in losses))
     print(f"materialised in {every[0]['materialise_s']:.1f} s; step times "
           + ", ".join(f"{s:.1f}" for s in step_seconds) + " s")
+    print("glibc allocator: " + (f"M_MMAP_THRESHOLD = {args.mmap_threshold} B (mallopt)"
+                                 if args.mmap_set else "default (dynamic mmap threshold)"))
     print(f"baseline (import torch, torchstrategy): VmHWM {base / gb:.3f} GB (median of "
           f"{len(baseline)}: {min(baseline) * 1024 / gb:.3f} .. "
           f"{max(baseline) * 1024 / gb:.3f})")
