@@ -148,8 +148,7 @@ class SlurmCluster:
                    os.path.join(munge_dir, "munged.log"))
         # -i: ignore state files (none yet); -c: start clean.
         self._start("slurmctld", ["slurmctld", "-D", "-c", "-i", "-f", self.conf])
-        self._wait(lambda: self.run(["scontrol", "ping"], check=False).returncode == 0
-                   and "UP" in self.run(["scontrol", "ping"], check=False).stdout,
+        self._wait(lambda: "UP" in self.run(["scontrol", "ping"], check=False).stdout,
                    "slurmctld", os.path.join(self.directory, "slurmctld.log"))
         self._start("slurmd", ["slurmd", "-D", "-N", "localhost", "-f", self.conf])
         self._wait(self._node_idle, "slurmd", os.path.join(self.directory, "slurmd.log"))
@@ -281,8 +280,10 @@ def slurm_cluster(tmp_path_factory):
         cluster.write_config()
         cluster.start()
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as error:
-        cluster.stop()
-        pytest.skip(f"the private SLURM cluster did not start: {error}")
+        try:
+            cluster.stop()
+        finally:
+            pytest.skip(f"the private SLURM cluster did not start: {error}")
     try:
         yield cluster
     finally:
