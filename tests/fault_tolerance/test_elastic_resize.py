@@ -35,7 +35,7 @@ STEPS_PER_EPOCH = elastic_train.SAMPLES // elastic_train.GLOBAL_BATCH     # 8
 TOTAL_STEPS = STEPS_PER_EPOCH * elastic_train.EPOCHS                      # 24
 KILL_AFTER = 3           # steps at 2 replicas before a machine is lost (epoch 0 has 8)
 HOLD_AT = 14             # the job of one replica waits after this step (in epoch 1)
-SLOW = 0.5               # seconds per step at 2 replicas in the first STEPS_PER_EPOCH steps
+SLOW = 0.5               # seconds per step in epoch 0 (not in the job of one replica)
 # Every wait below is bounded by this (a hang guard, not a timing assertion: starting a
 # worker is an import of torch, slow on a loaded machine).
 WAIT = 120

@@ -10,8 +10,9 @@ OUT_DIR/steps.<pid>: the number of replicas, its rank, the global step, the time
 since the epoch) and the indices of the samples it trained on. Replica 0 saves the final
 parameters to OUT_DIR/final.pt.
 
-``--slow S`` sleeps S seconds in each of the first ``--slow-steps`` steps while the job has
-several replicas (time for the test to kill a machine mid-epoch). ``--hold-at N`` makes a
+``--slow S`` sleeps S seconds in each of the first ``--slow-steps`` steps, except in a job
+of one replica resumed from a backup: time for the test to kill a machine mid-epoch, and
+for the second machine to join if the first round began without it. ``--hold-at N`` makes a
 job of ONE replica wait after step N (at most ``--hold-seconds``, then it goes on) for
 torchrun to stop it: the surviving agent stops its worker when a new machine joins the
 rendezvous, and the job grows back.
@@ -87,7 +88,7 @@ def main(argv=None):
         for _, batch in backup.steps(dist_data):
             if distributed and replicas == 1 and backup.global_step == args.hold_at:
                 hold(log, args.hold_seconds)
-            if replicas > 1 and backup.global_step < args.slow_steps:
+            if (replicas > 1 or not backup.restored) and backup.global_step < args.slow_steps:
                 time.sleep(args.slow)
             strategy.run(replica_step, args=batch[:2])
             indices = strategy.experimental_local_results(batch[2])[0].tolist()
