@@ -11,7 +11,8 @@ One launch of 2 replicas:
   them a good checkpoint loads (no replica was left inside a collective);
 - ts.checkpoint.load of a sharded directory names the call that loads it;
 - a MirroredStrategy checkpoint (ts.checkpoint.save of the state_dict) loads into a sharded
-  model with model.load_state_dict, bit for bit; a wrong shape is torch's error.
+  model with model.load_state_dict, bit for bit; a wrong shape is torch's error, and
+  assign=True (which would put full tensors in FSDP2's place) is refused, naming the key.
 """
 import os
 import shutil
@@ -128,6 +129,7 @@ def replica(root):
             assert torch.equal(exported[key], reference[key]), key
     wrong = dict(full, **{"2.weight": torch.zeros(3, 16)})
     errors["wrong shape"] = [error_of(lambda: sharded.load_state_dict(wrong))]
+    errors["assign"] = [error_of(lambda: sharded.load_state_dict(full, assign=True))]
     return found_modes, errors
 
 
@@ -168,5 +170,8 @@ def test_sharded_checkpoint_permissions_and_errors(tmp_path):
     assert "strategy.extended.load_checkpoint(path, model, optimizer)" in message
     assert "ts.load_pretrained(model, path)" in message
 
+    kind, message = errors["assign"][0]
+    assert kind == "RuntimeError" and "0.weight: load_state_dict(assign=True) cannot" in \
+        message, message
     kind, message = errors["wrong shape"][0]
     assert kind == "RuntimeError" and "size mismatch for 2.weight" in message, message

@@ -472,6 +472,15 @@ def _shard_full_tensors(module: torch.nn.Module, state_dict: dict[str, Any], pre
         value = state_dict.get(prefix + name)
         if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and \
                 not isinstance(value, DTensor) and value.shape == param.shape:
+            if local_metadata.get("assign_to_params_buffers"):
+                # The plain tensor would replace FSDP2's sharded parameter: torch must not
+                # see it (the parameter stays as it was) and load_state_dict raises.
+                del state_dict[prefix + name]
+                error_msgs.append(
+                    f"{prefix + name}: load_state_dict(assign=True) cannot replace a "
+                    "parameter ShardedStrategy sharded by a full tensor; load without "
+                    "assign=True (each replica keeps its part), or use ts.load_pretrained.")
+                continue
             local = param.to_local()
             part = value.detach()[local_region(param)].to(device=local.device,
                                                            dtype=local.dtype)
