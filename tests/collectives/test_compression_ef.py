@@ -150,7 +150,9 @@ def _reference_powersgd(records, rank, warmup, seed):
                   for r in range(replicas)]
             q = qs.get(i, initial_q(seed, i, cols, rank))
             p = torch.linalg.qr(sum(m @ q for m in ms), mode="reduced").Q
-            q_locals = [m.t() @ p for m in ms]
+            # M^T P as the implementation computes it, (P^T M)^T (5-50x faster on CPU than
+            # m.t() @ p); the two round differently, by ~1e-7 relative.
+            q_locals = [(p.t() @ m).t() for m in ms]
             for r, (m, ql) in enumerate(zip(ms, q_locals)):
                 residual[(r, i)] = m - p @ ql.t()
             qs[i] = sum(q_locals)

@@ -20,7 +20,11 @@ Per bucket, with world size N and ``flags`` the bucket's per-parameter contribut
   Q_local is all-reduced (one buffer): the bucket gets P Q^T, the sum over replicas of
   their P Q_local^T. Since each replica keeps exactly what its own term missed, the applied
   sums plus the replicas' residuals always equal the true sums (the identity the tests
-  check). Q (the sum) is kept for the next step (warm start).
+  check). Q (the sum) is kept for the next step (warm start). The paper and torch's DDP
+  hook keep M - P mean(Q_local)^T instead: another split of the same total between the
+  replicas, and since P and Q depend on the replicas' M only through their sum, both
+  apply the same gradients (a test checks it; the convergence script's
+  ``ddp-powersgd`` run compares the losses with the DDP hook's).
 - `Int8`: the flags are all-reduced; the bucket (gradient + residual, float) is quantised
   per chunk (``_ops.ef_quantize_int8``, csrc/ef_ops.cpp), levels and scales are gathered
   from every replica and summed in replica order (``_ops.dequantize_sum``).
@@ -163,6 +167,10 @@ class ErrorFeedbackReducer:
         _ops.unpack(buffer, plain, offsets)
         used = (flags > 0).tolist()
 
+        # Every large step below works in place on the residual's own buffer (M is built
+        # there, and becomes the new residual) and writes P Q^T straight into the bucket:
+        # on CPU these passes are bound by memory, and a fresh multi-MiB tensor per step
+        # costs page faults on top (measured: 3-5x slower for GPT-2's 50257 x 768 matrix).
         work = []   # (index, view, M, Q)
         for k, i in enumerate(slots.params):
             if not matrix[k] or not used[k]:
@@ -171,16 +179,26 @@ class ErrorFeedbackReducer:
             rows = int(shape[0])
             cols = slots.numels[k] // rows
             view = flat.narrow(0, slots.offsets[k], slots.numels[k]).view(rows, cols)
-            m = view.float()
             residual = self.residuals.get(i)
-            if residual is not None:
-                m = m + residual.to(m.device).view(rows, cols)
+            if residual is None or residual.device != view.device or \
+                    residual.dtype != torch.float32 or not residual.is_contiguous():
+                m = view.to(torch.float32, copy=True)
+                if residual is not None:
+                    m.add_(residual.to(m.device).view(rows, cols))
+            else:
+                m = residual.view(rows, cols).add_(view)   # gradient + residual, in place
+            self.residuals[i] = m.view(-1)
             q = self.qs.get(i)
             q = (initial_q(algo.seed, i, cols, algo.rank) if q is None else q).to(m.device)
             work.append((i, view, m, q))
         if not work:
             return
-        ps = torch.cat([(m @ q).reshape(-1) for _, _, m, q in work])
+        ps = torch.empty(sum(m.shape[0] for _, _, m, _ in work) * algo.rank,
+                         dtype=torch.float32, device=flat.device)
+        at = 0
+        for _, _, m, q in work:
+            torch.mm(m, q, out=ps.narrow(0, at, m.shape[0] * algo.rank).view(-1, algo.rank))
+            at += m.shape[0] * algo.rank
         dist.all_reduce(ps, group=group)
         self._sent(ps)
         q_locals = []
@@ -190,8 +208,8 @@ class ErrorFeedbackReducer:
             rows = m.shape[0]
             p = orthonormalize(ps.narrow(0, at, rows * algo.rank).view(rows, algo.rank))
             at += rows * algo.rank
-            q_local = m.t() @ p
-            self.residuals[i] = (m - p @ q_local.t()).reshape(-1)
+            q_local = torch.mm(p.t(), m).t()   # M^T P, reading M row by row
+            m.addmm_(p, q_local.t(), alpha=-1)  # residual = M - P Q_local^T, in place
             bases.append(p)
             q_locals.append(q_local.reshape(-1))
         q_sum = torch.cat(q_locals)
@@ -202,7 +220,10 @@ class ErrorFeedbackReducer:
             cols = m.shape[1]
             q = q_sum.narrow(0, at, cols * algo.rank).view(cols, algo.rank)
             at += cols * algo.rank
-            view.copy_(p @ q.t())
+            if view.dtype == torch.float32:
+                torch.mm(p, q.t(), out=view)
+            else:
+                view.copy_(p @ q.t())
             self.qs[i] = q.clone()
 
     # -- Int8 ---------------------------------------------------------------------------
