@@ -5,7 +5,7 @@ Three launches (1, 2 and 4 replicas) check that:
   holding real shards of 1/N of every parameter, and gets exactly the initial values of
   the documented one-device procedure (``to_empty``, then each module with parameters or
   buffers of its own initialised in ``model.modules()`` order from the same seed): the
-  same values for 1, 2 and 4 replicas (and on a hybrid 2x2 mesh), by each module's
+  same values for 1, 2 and 4 replicas (on a hybrid 2x2 mesh, with CPU offload), by each module's
   ``reset_parameters()`` or by ``ShardedStrategy(init_fn=...)``;
 - training on from there equals one device (Adam, 1e-5);
 - errors, raised on every replica before any collective (the launches would hang
@@ -222,6 +222,7 @@ def replica(case):
     if case == 4:
         out["hybrid"] = initial_and_trained(ts.ShardedStrategy(shard_group_size=2))
     if case == 2:
+        out["offload"] = initial_and_trained(ts.ShardedStrategy(cpu_offload=True))
         strategy = ts.ShardedStrategy(init_fn=init_attention)
         model, _ = meta_model(strategy, TorchLayers)
         out["init_fn"] = exported(strategy, model)
@@ -236,13 +237,13 @@ def test_meta_models_get_the_same_values_on_any_number_of_replicas():
     trained = one_device_trained()
     results = {n: launch(replica, n, n=n) for n in (1, 2, 4)}
     runs = [(n, kind, result) for n, out in results.items() for kind, result in out.items()
-            if kind in ("sharded", "hybrid")]
+            if kind in ("sharded", "hybrid", "offload")]
     assert [(n, kind) for n, kind, _ in runs] == [
-        (1, "sharded"), (2, "sharded"), (4, "sharded"), (4, "hybrid")]
+        (1, "sharded"), (2, "sharded"), (2, "offload"), (4, "sharded"), (4, "hybrid")]
     for n, kind, (start, end, held) in runs:
         # Exactly the one-device values, whatever the replicas; each holds 1/N.
         assert_same_tensors(start, initial, what=f"initial values, {n} replicas, {kind}")
-        assert held == pytest.approx(1 / n if kind == "sharded" else 1 / 2, abs=0.02), held
+        assert held == pytest.approx(1 / 2 if kind == "hybrid" else 1 / n, abs=0.02), held
         assert_same_tensors(end, trained, atol=1e-5, what=f"trained, {n} replicas, {kind}")
 
     reference = one_device_initial(TorchLayers, init_attention).state_dict()

@@ -26,7 +26,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.modules import module as nn_module
 
@@ -234,10 +234,18 @@ class ShardedExtended(SPMDExtended):
         try:
             for root, units in plans:
                 self._shard(root, units)
-            materialize.materialize(on_meta, self.torch_device or torch.device("cpu"),
-                                    self._comm, self._init_fn)
+            materialize.materialize(on_meta, self._shard_device(), self._comm,
+                                    self._init_fn)
         finally:
             self._sharding = False
+
+    def _shard_device(self) -> torch.device:
+        """Where the shards live: host memory with CPU offload (FSDP2 keeps the sharded
+        parameters there and copies each unit to the device to gather it), else the
+        replica's device."""
+        if isinstance(self._fsdp_kwargs.get("offload_policy"), CPUOffloadPolicy):
+            return torch.device("cpu")
+        return self.torch_device or torch.device("cpu")
 
     def _shard(self, root: torch.nn.Module, units: list[torch.nn.Module]) -> None:
         before = dict(root.named_parameters())

@@ -11,7 +11,8 @@ strategy's ``init_fn(module)``), and each replica copies its slice of every full
 its shard. At most one module's own parameters exist whole at a time, never the model.
 
 Why the initial values do not depend on the number of replicas: every replica draws the
-same full values (its device's random generator is first set to replica 0's state) and
+same full values (the random generator of the device the shards live on is first set
+to replica 0's state) and
 keeps the slice its shard covers, so N replicas hold exactly the shards of what one replica
 (one device) computes with the same procedure.
 """
