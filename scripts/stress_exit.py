@@ -15,8 +15,11 @@ For every job the script records the launcher's exit code, whether a replica pri
 how many replicas still had gloo's threads (a process group) after the runtime's
 shutdown, that is at the interpreter's teardown ("alive"; ts.launch's replicas end with
 os._exit after ts.launch released their group and are not counted), the processes of the
-job still alive after it ended, and the /tmp/pymp-* directories and the /dev/shm entries
-that appeared while it ran and that no process uses any more. Every job has a directory
+job still alive after it ended, what it left in its /tmp (a TMPDIR of its own: pymp-*
+directories, anything but its output and checkpoint) and the /dev/shm entries
+that appeared while it ran and that no process uses any more. torch's own leftovers,
+torchrun's log directory (torchelastic_*) and the compile cache (torchinductor_<user>),
+are counted apart ("torch"), not as failures. Every job has a directory
 of its own (TMPDIR points into it), a timeout (``--timeout``), and the whole run stops
 after ``--budget`` seconds. A table summarises the counts at the end; the exit status is 0
 only if every job exited 0 with nothing left behind.
@@ -108,6 +111,8 @@ def _launched_job(kind: str, handler_dir: str | None) -> int:
     return _train(kind, "ts.launch", handler_dir)
 
 
+JOB_OWN_FILES = ("output.txt", "ckpt")
+TORCH_OWN_PREFIXES = ("torchelastic_", "torchinductor_")
 GLOO_THREADS = ("gloo_tcp_loop", "pt_gloo_runloop")
 ALIVE_MARK = "stress_exit: gloo threads alive after shutdown:"
 
@@ -257,8 +262,18 @@ def launch_job(launch: str, kind: str, handler: bool, job_dir: str,
         # are gone a moment later; a leftover stays
         time.sleep(2.0)
         files = _orphans(files)
-    # pymp-* inside the job's own TMPDIR count too: they outlived the job.
-    files += sorted(glob.glob(os.path.join(job_dir, "pymp-*")))
+    # What the job left in its own TMPDIR (its /tmp) counts too, pymp-* first of all,
+    # except its output, its checkpoint and core dumps; torchrun's agent's log directory
+    # (torchelastic_*: torchrun never removes it, whatever the replicas do) and torch's
+    # per-user compile cache (torchinductor_<user>: one per user, kept on purpose) are
+    # torch's own, counted apart.
+    for name in sorted(os.listdir(job_dir)):
+        if name in JOB_OWN_FILES or name.startswith("core"):
+            continue
+        if not name.startswith(TORCH_OWN_PREFIXES):
+            files.append(os.path.join(job_dir, name))
+    torch_own = sorted(name for name in os.listdir(job_dir)
+                       if name.startswith(TORCH_OWN_PREFIXES))
     with open(os.path.join(job_dir, "output.txt"), errors="replace") as f:
         text = f.read()
     # replicas (one line each) whose process group outlived the runtime's shutdown
@@ -267,7 +282,7 @@ def launch_job(launch: str, kind: str, handler: bool, job_dir: str,
     return {"code": code, "terminate": "terminate called" in text,
             "group_alive": sum(count > 0 for count in reports), "reports": len(reports),
             "processes": leftovers,
-            "files": files, "seconds": seconds, "output": text}
+            "files": files, "torch_own": torch_own, "seconds": seconds, "output": text}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run(["rm", "-rf", job_dir], check=False)
     print()
     header = f"{'launch':9s} {'strategy':12s} {'handler':7s} {'jobs':>4s} {'exit 0':>6s} " \
-             f"{'other exits':16s} {'terminate':>9s} {'alive':>5s} {'procs':>5s} {'files':>5s}"
+             f"{'other exits':16s} {'terminate':>9s} {'alive':>5s} {'procs':>5s} {'files':>5s}" \
+             f" {'torch':>5s}"
     print(header)
     print("-" * len(header))
     failures = 0
@@ -330,10 +346,12 @@ def main(argv: list[str] | None = None) -> int:
         procs = sum(bool(r["processes"]) for r in runs)
         alive = sum(bool(r["group_alive"]) for r in runs)
         files = sum(bool(r["files"]) for r in runs)
+        torch_own = sum(bool(r["torch_own"]) for r in runs)
         failures += sum(r["code"] != 0 or bool(r["terminate"]) or bool(r["group_alive"])
                         or bool(r["processes"]) or bool(r["files"]) for r in runs)
         print(f"{combo[0]:9s} {combo[1]:12s} {str(combo[2]):7s} {len(runs):4d} "
-              f"{codes.get(0, 0):6d} {others:16s} {terminates:9d} {alive:5d} {procs:5d} {files:5d}")
+              f"{codes.get(0, 0):6d} {others:16s} {terminates:9d} {alive:5d} {procs:5d} {files:5d}"
+              f" {torch_own:5d}")
     seconds = [float(str(r["seconds"])) for runs in results.values() for r in runs]
     if len(seconds) >= 2:
         low, median, high = statistics.quantiles(seconds, n=4)

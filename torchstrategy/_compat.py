@@ -12,6 +12,7 @@ csrc/compat.h.
 from __future__ import annotations
 
 import gc
+import multiprocessing.forkserver
 import sys
 import types
 from typing import Any, Callable
@@ -126,6 +127,20 @@ def release_groups_from_device_meshes(groups: list[dist.ProcessGroup]) -> int:
                 setattr(obj, attribute, None)
                 released += 1
     return released
+
+
+# -- multiprocessing (CPython 3.8 - 3.13) ---------------------------------------------
+def stop_forkserver() -> None:
+    """Ends multiprocessing's fork server, if this process started one, and waits until it
+    has exited (``multiprocessing.forkserver._forkserver._stop``, identical in CPython 3.8
+    - 3.13; there is no public API). Left alone, the server notices its parent's exit only
+    after the parent is gone, and then takes its own interpreter's teardown (seconds with
+    torch imported, on a loaded machine) to end: a job "ended" with a process of its own
+    still running. A later fork-server start method starts a new one."""
+    try:
+        multiprocessing.forkserver._forkserver._stop()  # type: ignore[attr-defined]
+    except ChildProcessError:  # reaped by someone else already: nothing left to wait for
+        pass
 
 
 # -- tensors (torch 2.4 - 2.13) ------------------------------------------------------

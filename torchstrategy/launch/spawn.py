@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Sequence, cast
 import torch
 
 
-from torchstrategy import runtime
+from torchstrategy import _compat, runtime
 from torchstrategy.launch import reexec
 from torchstrategy.launch import world as world_lib
 
@@ -179,6 +179,9 @@ def launch(fn: Callable[..., Any], *args: Any, num_replicas: int,
         # The fork server's socket lives in this process's multiprocessing directory, which
         # is removed at a normal exit only; replicas remove it if this process is killed.
         temp_dir = multiprocessing.util.get_temp_dir()
+        # ... and the server itself is ended (and waited for) at exit: it would notice the
+        # exit only afterwards and outlive this process by its own teardown.
+        runtime.current().on_shutdown("launch.forkserver", _compat.stop_forkserver)
     else:
         temp_dir = None
     # Loopback only: nothing outside this machine can reach the store the replicas trust.
