@@ -18,8 +18,12 @@ Two models, built from plain layers with the parameter tensors (shapes, order) o
   204 MiB): on 2 CPU cores 12 blocks take minutes per round and all of the machine's memory
   with 8 copies of the model. Inputs: random tokens, ``--gpt-batch`` x ``--gpt-tokens``.
 - ResNet-50: 161 tensors, 25.6M parameters (97.5 MiB), bottleneck blocks [3, 4, 6, 3];
-  inputs ``--resnet-batch`` random images of ``--resnet-size`` pixels square (64: compute
+  inputs ``--resnet-batch`` random images of ``--resnet-size`` pixels square (2 of 32: compute
   scales with the pixels, the parameters do not).
+
+The inputs are small on purpose: between machines with accelerators, compute is fast and
+the network is what limits; 2 shared CPU cores computing a large batch would measure the
+CPU instead.
 
 Per model, two phases in the same 2 processes, each alternating its configurations in
 rotating order, every repetition timed on the slower replica:
@@ -61,6 +65,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -246,9 +251,13 @@ def our_strategy(kind):
     return ts.MirroredStrategy(cross_device_ops=ts.NcclAllReduce(compression=compression))
 
 
-def ddp(module, fp16):
+def ddp(module, fp16, static_graph=True):
+    # torch 2.13 deprecates broadcast_buffers in favour of forward_sync_buffers, which still
+    # syncs at init; False here only means "no broadcast before every forward", as ours.
+    warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
     wrapped = nn.parallel.DistributedDataParallel(
-        module, gradient_as_bucket_view=True, static_graph=True, broadcast_buffers=False)
+        module, gradient_as_bucket_view=True, static_graph=static_graph,
+        broadcast_buffers=False)
     if fp16:
         wrapped.register_comm_hook(None, default_hooks.fp16_compress_hook)
     return wrapped
@@ -292,7 +301,9 @@ def build_sync(make_model, rank):
 
     for name, fp16 in (("ddp-best", False), ("ddp-fp16", True)):
         plist = params()
-        wrapped = ddp(Identity(plist), fp16)
+        # No static_graph here: its first iteration sees a forward that uses no parameter
+        # and then skips reducing them.
+        wrapped = ddp(Identity(plist), fp16, static_graph=False)
 
         def run(wrapped=wrapped, plist=plist):
             for p in plist:
@@ -305,7 +316,8 @@ def build_sync(make_model, rank):
     for name, kind in OURS.items():
         strategy = strategies[name] = our_strategy(kind)
         with strategy.scope():
-            plist = params()
+            plist = list(Identity(params()).parameters())
+        assert len(strategy.extended.gradient_reducer.parameters) == len(plist)
 
         def run(strategy=strategy, plist=plist):
             for p in plist:
@@ -405,8 +417,12 @@ def replica_main(args):
     rank = dist.get_rank()
     results = {}
     for model_name, (make_model, make_batch, _) in model_specs(args).items():
+        started = time.perf_counter()
         configs, strategies = build_sync(make_model, rank)
         sync = time_alternating(configs, args.repeats, args.warmup)
+        if rank == 0:
+            print(f"{model_name}: sync phase done in {time.perf_counter() - started:.0f} s",
+                  flush=True)
         sync_bytes = {n: s.extended.stats().bytes_reduced for n, s in strategies.items()}
         del configs, strategies
         gc.collect()
@@ -415,6 +431,9 @@ def replica_main(args):
         step = time_alternating(configs, args.repeats, args.warmup,
                                 {"ours-autotuned": tuner.total_steps})
         assert tuner.done, "the autotuner's search did not finish during warm-up"
+        if rank == 0:
+            print(f"{model_name}: step phase done in {time.perf_counter() - started:.0f} s",
+                  flush=True)
         out = {"sync": sync, "step": step, "sync_bytes": sync_bytes,
                "step_bytes": {n: s.extended.stats().bytes_reduced
                               for n, s in strategies.items()},
@@ -476,7 +495,8 @@ def report(results, args, shaped):
                 row = {"ms": [v * 1e3 for v in quartiles(t)],
                        "vs_ddp_best": list(paired(t, times["ddp-best"])),
                        "vs_ddp_fp16": list(paired(t, times["ddp-fp16"])),
-                       "vs_limit": list(paired(t, limit))}
+                       "vs_limit": list(paired(t, limit)),
+                       "mib_sent": None if sent is None else sent / MIB}
                 entry[phase][name] = row
                 print(f"{name:<16}{fmt_q(quartiles(t), 1e3, 1):>24}"
                       f"{fmt_q(row['vs_ddp_best']):>24}{fmt_q(row['vs_ddp_fp16']):>24}"
@@ -544,13 +564,13 @@ def main():
     parser.add_argument("--gpt-layers", type=int, default=2,
                         help="GPT-2 blocks (GPT-2 small has 12)")
     parser.add_argument("--gpt-batch", type=int, default=1)
-    parser.add_argument("--gpt-tokens", type=int, default=64)
-    parser.add_argument("--resnet-batch", type=int, default=4)
-    parser.add_argument("--resnet-size", type=int, default=64)
+    parser.add_argument("--gpt-tokens", type=int, default=32)
+    parser.add_argument("--resnet-batch", type=int, default=2)
+    parser.add_argument("--resnet-size", type=int, default=32)
     parser.add_argument("--sweep-repeats", type=int, default=3,
                         help="repetitions of the bucket-cap sweep (0: none)")
-    parser.add_argument("--sweep-model", default="resnet50",
-                        help="the model the sweep runs on")
+    parser.add_argument("--sweep-model",
+                        help="the model the sweep runs on (default: the last of --models)")
     parser.add_argument("--json", help="also write the summary to this file")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: small shapes, 2 repetitions")
@@ -563,8 +583,10 @@ def main():
         parser.error(f"--rate must be a positive number of Gbit/s, got {args.rate}")
     if args.repeats < 1 or args.warmup < 0 or args.sweep_repeats < 0:
         parser.error("--repeats must be >= 1, --warmup and --sweep-repeats >= 0")
+    if args.sweep_model is None:
+        args.sweep_model = args.models[-1]
     if args.sweep_model not in args.models:
-        args.sweep_repeats = 0
+        parser.error(f"--sweep-model {args.sweep_model} is not among --models {args.models}")
     if args.quick:
         args.repeats, args.warmup, args.sweep_repeats = 2, 1, min(args.sweep_repeats, 1)
 
