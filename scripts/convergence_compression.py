@@ -1,20 +1,26 @@
 """Convergence under gradient compression: a small GPT trained on 2 replicas (gloo, CPU)
 with the default reduction, bf16 on the wire, ts.PowerSGD(rank=4) (from the first step, and
-after ``--warmup`` uncompressed steps) and ts.Int8(), same seed,
-same data, same number of steps; prints the final validation losses side by side and
-writes the loss curves (JSON, and a PNG when matplotlib is installed).
+after ``--warmup`` uncompressed steps), ts.Int8(), and, as the reference, torch's own DDP
+PowerSGD hook (``ddp-powersgd``): same seed, same data, same number of steps; prints the
+final validation losses side by side and writes the loss curves (JSON, and a PNG when
+matplotlib is installed).
 
 Corpus: the Python standard library's own source files (``sysconfig.get_paths()["stdlib"]``,
 the ``*.py`` files directly in it, sorted by name), as bytes (vocabulary 256); the first
 90 % of the bytes train, the last 10 % validate. Model: a decoder-only transformer
 (``--layers`` 2, ``--width`` 128, 4 heads, context 64), AdamW (or ``--optimizer sgd``:
-SGD with momentum 0.9, as PowerSGD's paper), the mean loss averaged over
-replicas with ``ts.scale_mean_loss``. Validation: the mean loss over a fixed set of
-windows. Sized to run in minutes on a loaded 2-core machine.
+SGD with momentum 0.9, as PowerSGD's paper), a constant learning rate (or ``--schedule
+cosine``: decaying to 0 over the run), the mean loss averaged over replicas with
+``ts.scale_mean_loss``. Validation: the mean loss over a fixed set of windows. A run is
+about a minute on an idle 2-core machine (far longer on a loaded one: the replicas wait
+for each other at every collective).
 
     .venv/bin/python scripts/convergence_compression.py \\
         --json docs/images/compression_convergence.json \\
         --plot docs/images/compression_convergence.png
+
+Runs are deterministic, so results of separate invocations (other settings) can be put
+together: ``--replot a.json b.json --json all.json --plot all.png``.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torchstrategy as ts  # noqa: E402
@@ -84,7 +91,7 @@ def windows(data: torch.Tensor, starts: torch.Tensor, context: int
 def train(name: str, args: argparse.Namespace) -> dict:
     compression = {"none": None, "bf16": "bf16", "powersgd": ts.PowerSGD(rank=args.rank),
                    "powersgd-warmup": ts.PowerSGD(rank=args.rank, warmup_steps=args.warmup),
-                   "int8": ts.Int8()}[name]
+                   "int8": ts.Int8(), "ddp-powersgd": None}[name]
     torch.set_num_threads(1)
     strategy = ts.MirroredStrategy(cross_device_ops=ts.NcclAllReduce(compression=compression))
     replica = strategy.extended.replica_id
@@ -92,12 +99,29 @@ def train(name: str, args: argparse.Namespace) -> dict:
     split = int(len(data) * 0.9)
     train_data, val_data = data[:split], data[split:]
     torch.manual_seed(args.seed)
-    with strategy.scope():
+    if name == "ddp-powersgd":
+        # The reference: torch's own DDP PowerSGD hook, outside the strategy (which only
+        # provides the process group), with the same rank and the same rule for which
+        # matrices are compressed (min_compression_rate=1); the hook needs at least 2
+        # uncompressed steps before it starts.
         model = GPT(args.layers, args.width, args.context)
-        if args.optimizer == "adamw":
-            optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        else:   # PowerSGD's paper trains with SGD and momentum
-            optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=64)
+        hook_state = powerSGD.PowerSGDState(
+            process_group=None, matrix_approximation_rank=args.rank,
+            start_powerSGD_iter=max(2, args.warmup), min_compression_rate=1,
+            use_error_feedback=True, warm_start=True)
+        ddp.register_comm_hook(hook_state, powerSGD.powerSGD_hook)
+    else:
+        with strategy.scope():
+            model = GPT(args.layers, args.width, args.context)
+    if args.optimizer == "adamw":
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    else:   # PowerSGD's paper trains with SGD and momentum
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    # "cosine": the learning rate decays from --lr to 0 over the run (as GPT training
+    # usually does); "constant": it stays at --lr.
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps) \
+        if args.schedule == "cosine" else None
     val_gen = torch.Generator().manual_seed(1234)
     val_starts = torch.randint(0, len(val_data) - args.context - 1, (256,), generator=val_gen)
     vx, vy = windows(val_data, val_starts, args.context)
@@ -118,13 +142,71 @@ def train(name: str, args: argparse.Namespace) -> dict:
                                generator=gen)
         x, y = windows(train_data, starts, args.context)
         optimizer.zero_grad()
-        loss = F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
-        ts.scale_mean_loss(loss).backward()
+        if name == "ddp-powersgd":   # DDP averages the gradients itself
+            F.cross_entropy(ddp(x).reshape(-1, 256), y.reshape(-1)).backward()
+        else:
+            loss = F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
+            ts.scale_mean_loss(loss).backward()
         optimizer.step()
+        if schedule is not None:
+            schedule.step()
     stats = strategy.extended.stats()
-    return {"name": name, "curve": curve, "cpu_seconds": time.process_time() - start,
-            "bytes": stats.bytes_reduced, "ratio": stats.compression_ratio,
+    sent, ratio = stats.bytes_reduced, stats.compression_ratio
+    if name == "ddp-powersgd":   # the hook's P, Q and uncompressed tensors, fp32
+        rule = ts.PowerSGD(rank=args.rank)
+        sent = 4 * sum(args.rank * (p.shape[0] + p[0].numel()) if rule.compresses(p.shape)
+                       else p.numel() for p in model.parameters())
+        ratio = 4 * sum(p.numel() for p in model.parameters()) / sent
+    return {"name": name, "setting": setting(args), "rank": args.rank,
+            "warmup": {"powersgd-warmup": args.warmup,
+                       "ddp-powersgd": max(2, args.warmup)}.get(name, 0),
+            "seed": args.seed, "curve": curve, "cpu_seconds": time.process_time() - start,
+            "bytes": sent, "ratio": ratio,
             "params": sum(p.numel() for p in model.parameters())}
+
+
+def setting(args: argparse.Namespace | dict) -> str:
+    """What the runs compared with each other share: optimizer, learning rate, schedule."""
+    a = vars(args) if isinstance(args, argparse.Namespace) else args
+    return f"{'AdamW' if a['optimizer'] == 'adamw' else 'SGD+momentum'} lr {a['lr']:g}" + \
+        (", cosine decay" if a.get("schedule", "constant") == "cosine" else "")
+
+
+def label(result: dict) -> str:
+    name = result["name"]
+    if "powersgd" in name:
+        name = name.replace("-warmup", "") + f" rank {result.get('rank', 4)}"
+        if result.get("warmup"):
+            name += f", {result['warmup']} warm-up steps"
+    return name
+
+
+def report(results: list) -> None:
+    """Final losses, each against the uncompressed run of its setting and seed."""
+    for r in results:
+        base = next((b for b in results if b["name"] == "none" and
+                     b["setting"] == r["setting"] and b["seed"] == r["seed"]), None)
+        final = r["curve"][-1][1]
+        against = "" if base is None else \
+            f"  vs none: {100 * (final - base['curve'][-1][1]) / base['curve'][-1][1]:+.2f} %"
+        print(f"{r['setting']:32s} seed {r['seed']}  {label(r):36s} {final:.4f}{against}")
+
+
+def merge(paths: list[str]) -> list:
+    """The results of several JSON files written by --json (older files: their setting
+    from the file's arguments)."""
+    results = []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        for r in data["results"]:
+            r.setdefault("setting", setting(data["args"]))
+            r.setdefault("rank", data["args"]["rank"])
+            r.setdefault("seed", data["args"]["seed"])
+            r.setdefault("warmup", data["args"]["warmup"] if r["name"] == "powersgd-warmup"
+                         else 0)
+            results.append(r)
+    return results
 
 
 def main() -> None:
@@ -137,20 +219,31 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="sequences per replica")
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--schedule", choices=["constant", "cosine"], default="constant",
+                        help="the learning rate: constant, or cosine decay to 0")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--corpus-bytes", type=int, default=4_000_000)
     parser.add_argument("--rank", type=int, default=4, help="PowerSGD's rank")
     parser.add_argument("--warmup", type=int, default=100,
-                        help="uncompressed steps first, for the powersgd-warmup run")
-    parser.add_argument("--runs", default="none,bf16,powersgd,powersgd-warmup,int8")
+                        help="uncompressed steps first, for the powersgd-warmup run (and "
+                             "ddp-powersgd: at least 2, the hook's minimum)")
+    parser.add_argument("--runs", default="none,bf16,powersgd,powersgd-warmup,int8",
+                        help="comma-separated: none, bf16, powersgd, powersgd-warmup, "
+                             "int8, ddp-powersgd (torch's DDP PowerSGD hook, the reference)")
     parser.add_argument("--json", default=None, help="write the curves here")
     parser.add_argument("--plot", default=None, help="write the PNG plot here")
-    parser.add_argument("--replot", default=None,
-                        help="only redraw --plot from a JSON written by --json")
+    parser.add_argument("--replot", default=None, nargs="+",
+                        help="no training: merge the results of JSON files written by "
+                             "--json (into --json) and redraw --plot from them")
     args = parser.parse_args()
     if args.replot:
-        with open(args.replot) as f:
-            plot(json.load(f)["results"], args.plot)
+        results = merge(args.replot)
+        report(results)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"merged": args.replot, "results": results}, f, indent=1)
+        if args.plot:
+            plot(results, args.plot)
         return
     results = []
     for name in args.runs.split(","):
@@ -161,14 +254,10 @@ def main() -> None:
         print(f"{name:15s} final val loss {result['curve'][-1][1]:.4f}  "
               f"bytes/step/replica {result['bytes']:>9d}  ratio {result['ratio']:5.1f}  "
               f"wall {result['wall_seconds']:.0f}s", flush=True)
-    base = results[0]["curve"][-1][1]
     print(f"model: {results[0]['params']} parameters, {args.layers} layers, width "
           f"{args.width}, context {args.context}, {args.batch} sequences/replica x 2 "
           f"replicas, {args.steps} steps")
-    for r in results:
-        final = r["curve"][-1][1]
-        print(f"{r['name']:15s} {final:.4f}  vs {results[0]['name']}: "
-              f"{100 * (final - base) / base:+.2f} %")
+    report(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)
@@ -177,24 +266,32 @@ def main() -> None:
 
 
 def plot(results: list, path: str) -> None:
-    """The validation curves side by side; bytes relative to the first run's."""
+    """The validation curves side by side, one panel per setting (optimizer, learning
+    rate, schedule) and seed; bytes relative to the uncompressed run's."""
     import matplotlib  # optional dependency (scripts/setup.sh installs it)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for r, style in zip(results, ["-", "--", "-", "-", ":", "-."]):
-        steps, losses = zip(*r["curve"])
-        fewer = results[0]["bytes"] / r["bytes"]
-        ax.plot(steps, losses, style, label=f"{r['name']} (final {losses[-1]:.3f}, "
-                                            f"{fewer:.1f}x fewer bytes)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("validation loss (nats/byte)")
-    ax.set_title(f"Byte-level GPT on the stdlib sources, 2 replicas "
+    panels: list[tuple[str, int]] = []
+    for r in results:
+        if (r["setting"], r["seed"]) not in panels:
+            panels.append((r["setting"], r["seed"]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+    for ax, (where, seed) in zip(axes[0], panels):
+        runs = [r for r in results if r["setting"] == where and r["seed"] == seed]
+        plain = next((r["bytes"] for r in runs if r["name"] == "none"), runs[0]["bytes"])
+        for r, style in zip(runs, ["-", "--", "-", "-", ":", "-.", "--", ":"]):
+            steps, losses = zip(*r["curve"])
+            ax.plot(steps, losses, style, label=f"{label(r)} (final {losses[-1]:.3f}, "
+                                                f"{plain / r['bytes']:.1f}x fewer bytes)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("validation loss (nats/byte)")
+        ax.set_title(f"{where}, seed {seed}", fontsize=10)
+        ax.set_ylim(top=min(max(r["curve"][1][1] for r in runs) + 0.2, math.log(256)))
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Byte-level GPT on the stdlib sources, 2 replicas "
                  f"({results[0]['params'] / 1e6:.2f}M parameters)")
-    ax.set_ylim(top=min(max(r["curve"][1][1] for r in results) + 0.2, math.log(256)))
-    ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":
