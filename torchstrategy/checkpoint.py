@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from torchstrategy import context
 
@@ -68,7 +69,22 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
     flushed to disk and renamed, so a reader (or a crash) never sees a partial checkpoint.
     Every replica must call this (it ends with a barrier, bounded by the strategy's
     timeout).
+
+    Raises:
+      TypeError: on every replica, for an `obj` holding a sharded tensor (ShardedStrategy's
+        ``model.state_dict()``), naming it and the call that saves it whole.
     """
+    sharded = _first_sharded(obj, "obj")
+    if sharded is not None:
+        # Every replica holds the same structure, so every replica refuses (no barrier is
+        # left waiting); the chief alone would otherwise write only its own shards.
+        raise TypeError(
+            f"ts.checkpoint.save: {sharded} is a sharded tensor (DTensor; ShardedStrategy's "
+            "model.state_dict() / optimizer.state_dict()), of which this replica holds only "
+            "its shard. Save strategy.extended.state_dict_for_checkpoint(model) and "
+            "...(optimizer) instead (full tensors, gathered by every replica; load them with "
+            "load_state_dict_from_checkpoint), or use strategy.extended.save_checkpoint(path, "
+            "model, optimizer) for a sharded directory.")
     ext, writer = _strategy_facts()
     obj = ext.host_copy(obj)  # TPUStrategy: host tensors, loadable without torch_xla
     error = None
@@ -80,6 +96,20 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
     ext.communicator.barrier()
     if error is not None:
         raise error
+
+
+def _first_sharded(obj: Any, where: str) -> str | None:
+    """The path (``obj['model']['0.weight']``) of the first DTensor in `obj`'s dicts, lists
+    and tuples, or None."""
+    if isinstance(obj, DTensor):
+        return where
+    items: Any = obj.items() if isinstance(obj, dict) else \
+        enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for key, value in items:
+        found = _first_sharded(value, f"{where}[{key!r}]")
+        if found is not None:
+            return found
+    return None
 
 
 def write_atomically(obj: Any, path: str | os.PathLike[str],

@@ -132,11 +132,22 @@ def _checkpoint_save(cell, directory):
         if step == STOP:
             break
         cell.step(batch)
+    refused = None
+    if isinstance(cell.strategy, ts.ShardedStrategy):
+        # The plain state_dicts hold DTensors, of which the chief has only its shards:
+        # refused on every replica, naming the key and the call to use.
+        try:
+            ts.checkpoint.save({"model": cell.model.state_dict()},
+                               os.path.join(directory, "plain.pt"))
+        except TypeError as error:
+            refused = str(error)
+        assert not os.path.exists(os.path.join(directory, "plain.pt"))
     # The documented single-file checkpoint under any strategy: the contract gathers a
     # sharded model / optimizer (every replica calls it), the chief writes.
     state = {"model": ext.state_dict_for_checkpoint(cell.model),
              "optimizer": ext.state_dict_for_checkpoint(cell.optimizer), "step": STOP}
     ts.checkpoint.save(state, os.path.join(directory, "ckpt.pt"))
+    return refused
 
 
 def _checkpoint_resume(cell, directory):
@@ -210,11 +221,12 @@ def _cell_directory(root, strategy_name, path):
 
 
 def save_all(root, cells):
-    """First launch: every cell trains STOP steps and saves through its path."""
-    for strategy_name, path in cells:
-        cell = Cell(strategy_name, seed=0)
-        SAVE[path](cell, _cell_directory(root, strategy_name, path))
-    return True
+    """First launch: every cell trains STOP steps and saves through its path; returns
+    {cell: what the save path reported} (ts.checkpoint: the refusal of a sharded
+    state_dict)."""
+    return {(strategy_name, path): SAVE[path](Cell(strategy_name, seed=0),
+                                              _cell_directory(root, strategy_name, path))
+            for strategy_name, path in cells}
 
 
 def resume_all(root, cells):
