@@ -20,6 +20,7 @@ STRESS_SCRIPT = os.path.join(ROOT, "scripts", "stress_exit.py")
 PROGRAM = """
 import glob
 import sys
+import time
 
 import torch.distributed as dist
 import torchstrategy as ts
@@ -34,6 +35,15 @@ def gloo_threads():
     return sum(name in ("gloo_tcp_loop", "pt_gloo_runloop") for name in names)
 
 
+def gloo_threads_started():
+    # gloo's threads name themselves once scheduled: on a loaded machine the name can
+    # come a moment after the group exists, so wait for it (bounded) before counting
+    deadline = time.monotonic() + 20
+    while gloo_threads() == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return gloo_threads()
+
+
 assert "torch.distributed.nn.functional" not in sys.modules, "imported too early"
 strategy = ts.MultiWorkerMirroredStrategy()
 assert dist.is_initialized() and dist.get_backend() == "gloo"
@@ -42,7 +52,7 @@ group = _compat.default_process_group()
 held = sum(value is group for value in functional.all_reduce.__defaults__)
 del group
 print("held", held)
-print("threads before", gloo_threads())
+print("threads before", gloo_threads_started())
 runtime.current().shutdown()
 print("threads after", gloo_threads())
 print("default is None", functional.all_reduce.__defaults__[-1] is None)
@@ -74,6 +84,7 @@ HOLDERS_PROGRAM = """
 import atexit
 import glob
 import sys
+import time
 
 
 def gloo_threads():
@@ -82,6 +93,15 @@ def gloo_threads():
         with open(comm) as f:
             names.append(f.read().strip())
     return sum(name in ("gloo_tcp_loop", "pt_gloo_runloop") for name in names)
+
+
+def gloo_threads_started():
+    # gloo's threads name themselves once scheduled: on a loaded machine the name can
+    # come a moment after the group exists, so wait for it (bounded) before counting
+    deadline = time.monotonic() + 20
+    while gloo_threads() == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return gloo_threads()
 
 
 atexit.register(lambda: print("threads at exit", gloo_threads(), flush=True))
@@ -95,7 +115,7 @@ mode = sys.argv[1]
 strategy = ts.MultiWorkerMirroredStrategy()
 with strategy.scope():
     model = nn.Linear(4, 1)
-print("threads before", gloo_threads(), flush=True)
+print("threads before", gloo_threads_started(), flush=True)
 
 
 class Holder:
