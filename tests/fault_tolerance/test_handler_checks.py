@@ -346,14 +346,13 @@ def test_a_parameter_server_spec_with_two_tasks_on_one_address_is_refused_at_onc
     spec = ts.ClusterSpec({"chief": ["127.0.0.1:2222"], "worker": ["127.0.0.1:2223"],
                            "ps": ["127.0.0.1:2223"]})
     resolver = ts.SimpleClusterResolver(spec, task_type="chief", task_id=0)
-    started = time.monotonic()
+    # refused, not waited for: a wait would end in the join timeout's error, not this one
     with pytest.raises(ValueError, match="The cluster spec gives worker:0 and ps:0 the same "
                                          "address 127.0.0.1:2223: every task needs its own "
                                          "host:port"):
         ts.ParameterServerStrategy(resolver, startup_timeout=300)
     with pytest.raises(ValueError, match="the same address"):
         ts.Server(spec, job_name="ps", task_index=0)
-    assert time.monotonic() - started < 30  # refused, not waited for
 
 
 _IDLE_LAUNCHER = textwrap.dedent("""
@@ -376,8 +375,9 @@ def test_a_launcher_ended_by_sigterm_leaves_no_replica_and_no_pymp_directory(tmp
         assert temp_dir.startswith(os.path.join(os.path.dirname(temp_dir), "pymp-")), temp_dir
         deadline = time.monotonic() + 90
         while not (tmp_path / "sleeper.pid").exists():  # a replica runs: the parent idles
-            assert process.poll() is None and time.monotonic() < deadline, \
-                process.communicate()[0]
+            assert process.poll() is None, process.communicate()[0]
+            if time.monotonic() > deadline:  # a hang guard, not a speed check
+                pytest.fail("ts.launch started no replica")
             time.sleep(0.05)
         replica = int((tmp_path / "sleeper.pid").read_text())
         process.send_signal(signal.SIGTERM)
