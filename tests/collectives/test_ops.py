@@ -115,6 +115,29 @@ def test_pack_into_a_narrower_dtype_rounds_once_after_scaling(which, wire, sourc
         assert bool(((out - t).abs() <= eps * t.abs()).all())
 
 
+@pytest.mark.parametrize("wire", WIRE)
+@pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3])
+def test_narrowing_matches_torch_bit_for_bit_on_edge_values(wire, scale):
+    # The CPU kernel narrows in loops compiled per CPU level (csrc/float_narrow.cpp): ties,
+    # subnormals, overflow to infinity, infinities and NaN round exactly as torch's .to().
+    dtype = WIRE[wire]
+    info = torch.finfo(dtype)
+    ulp_tie = [1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, 1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11]
+    specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), info.max, -info.max,
+                             info.max * 1.01, info.tiny, info.tiny / 3, 1e-40, -1e-45,
+                             *ulp_tie, 65504.0, 65520.0, 3.3895e38])
+    g = torch.Generator().manual_seed(3)
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (100_003,), generator=g, dtype=torch.int64)
+    random = bits.to(torch.int32).view(torch.float32)   # every exponent, NaNs included
+    source = torch.cat([specials, random])
+    flat = torch.empty(source.numel(), dtype=dtype)
+    _ops.pack(flat, [source], [0], [source.numel()], scale)
+    expected = (source * scale).to(dtype)
+    nan = expected.isnan()
+    assert torch.equal(flat.isnan(), nan)
+    assert torch.equal(flat[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+
+
 @pytest.mark.parametrize("which", OPS)
 def test_unpack_from_the_wire_accumulates_in_the_target_dtype(which):
     pack, unpack = OPS[which]

@@ -84,6 +84,14 @@ def initial_q(seed: int, index: int, cols: int, rank: int) -> torch.Tensor:
     return torch.randn(cols, rank, generator=generator)
 
 
+def column_major(q: torch.Tensor) -> torch.Tensor:
+    """`q` (``cols x rank``) with the same values, stored rank-major (a transposed view of a
+    contiguous ``rank x cols``). For the skinny product ``M Q`` (M row-major ``rows x
+    cols``) CPU BLAS is 4-5x faster with Q laid out this way (measured: 0.59 against 2.87
+    ms for a 512 x 4608 M, 12 against 45 ms for GPT-2's 50257 x 768 embedding)."""
+    return q if q.stride(0) == 1 and q.stride(1) == q.shape[0] else q.t().contiguous().t()
+
+
 class ErrorFeedbackReducer:
     """Runs `compression` on the buckets the reducer's core launches (see the module
     docstring). Used by `GradientReducer` as the core's cross-device ops.
@@ -105,7 +113,8 @@ class ErrorFeedbackReducer:
         self._layout_fn = layout
         self.step = 0                                   # synchronised steps so far
         self.residuals: dict[int, torch.Tensor] = {}    # registration index -> float32
-        self.qs: dict[int, torch.Tensor] = {}           # PowerSGD: index -> Q (cols x rank)
+        # PowerSGD: index -> Q (cols x rank), kept `column_major`.
+        self.qs: dict[int, torch.Tensor] = {}
         # Int8 keeps each bucket's residuals in one flat buffer (the kernel's input); the
         # per-parameter entries of `residuals` are views into it.
         self._flat_residuals: dict[int, tuple[Any, torch.Tensor]] = {}
@@ -189,7 +198,8 @@ class ErrorFeedbackReducer:
                 m = residual.view(rows, cols).add_(view)   # gradient + residual, in place
             self.residuals[i] = m.view(-1)
             q = self.qs.get(i)
-            q = (initial_q(algo.seed, i, cols, algo.rank) if q is None else q).to(m.device)
+            q = column_major((initial_q(algo.seed, i, cols, algo.rank) if q is None else q)
+                             .to(m.device))
             work.append((i, view, m, q))
         if not work:
             return
@@ -208,23 +218,23 @@ class ErrorFeedbackReducer:
             rows = m.shape[0]
             p = orthonormalize(ps.narrow(0, at, rows * algo.rank).view(rows, algo.rank))
             at += rows * algo.rank
-            q_local = torch.mm(p.t(), m).t()   # M^T P, reading M row by row
-            m.addmm_(p, q_local.t(), alpha=-1)  # residual = M - P Q_local^T, in place
+            q_local_t = torch.mm(p.t(), m)       # (M^T P)^T, reading M row by row
+            m.addmm_(p, q_local_t, alpha=-1)     # residual = M - P Q_local^T, in place
             bases.append(p)
-            q_locals.append(q_local.reshape(-1))
+            q_locals.append(q_local_t.view(-1))  # sent rank-major: Q stays column_major
         q_sum = torch.cat(q_locals)
         dist.all_reduce(q_sum, group=group)
         self._sent(q_sum)
         at = 0
         for (i, view, m, _), p in zip(work, bases):
             cols = m.shape[1]
-            q = q_sum.narrow(0, at, cols * algo.rank).view(cols, algo.rank)
+            q = q_sum.narrow(0, at, cols * algo.rank).view(algo.rank, cols).t()
             at += cols * algo.rank
             if view.dtype == torch.float32:
                 torch.mm(p, q.t(), out=view)
             else:
                 view.copy_(p @ q.t())
-            self.qs[i] = q.clone()
+            self.qs[i] = column_major(q.clone())
 
     # -- Int8 ---------------------------------------------------------------------------
     def _bucket_residual(self, bucket: int, slots: BucketSlots,
@@ -303,5 +313,5 @@ class ErrorFeedbackReducer:
                              "the same compression.")
         self.step = int(state["step"])
         self.residuals = {int(i): t.clone() for i, t in state["residuals"].items()}
-        self.qs = {int(i): t.clone() for i, t in state["q"].items()}
+        self.qs = {int(i): column_major(t.clone()) for i, t in state["q"].items()}
         self._flat_residuals = {}
