@@ -4,6 +4,7 @@
 #include "bucket_layout.h"
 #include "bucket_ops.h"
 #include "ef_ops.h"
+#include "powersgd_ops.h"
 #include "reducer.h"
 
 #include <torch/extension.h>
@@ -26,6 +27,10 @@ TORCH_LIBRARY(torchstrategy, m) {
   m.def("ef_quantize_int8_reference(Tensor grad, Tensor(a!) residual, Tensor(b!) q, "
         "Tensor(c!) scales, int chunk) -> ()");
   m.def("dequantize_sum_reference(Tensor q, Tensor scales, Tensor(a!) out, int chunk) -> ()");
+  m.def("powersgd_finish(Tensor(a!) residual, Tensor p, Tensor q_local_t, Tensor q_t, "
+        "Tensor(b!) out) -> ()");
+  m.def("powersgd_finish_reference(Tensor(a!) residual, Tensor p, Tensor q_local_t, "
+        "Tensor q_t, Tensor(b!) out) -> ()");
 }
 
 // Every device without a dedicated kernel gets the generic implementation.
@@ -38,6 +43,8 @@ TORCH_LIBRARY_IMPL(torchstrategy, CompositeExplicitAutograd, m) {
   m.impl("dequantize_sum", &torchstrategy::dequantize_sum_generic);
   m.impl("ef_quantize_int8_reference", &torchstrategy::ef_quantize_int8_generic);
   m.impl("dequantize_sum_reference", &torchstrategy::dequantize_sum_generic);
+  m.impl("powersgd_finish", &torchstrategy::powersgd_finish_generic);
+  m.impl("powersgd_finish_reference", &torchstrategy::powersgd_finish_generic);
 }
 
 TORCH_LIBRARY_IMPL(torchstrategy, CPU, m) {
@@ -45,6 +52,7 @@ TORCH_LIBRARY_IMPL(torchstrategy, CPU, m) {
   m.impl("unpack", &torchstrategy::unpack_cpu);
   m.impl("ef_quantize_int8", &torchstrategy::ef_quantize_int8_cpu);
   m.impl("dequantize_sum", &torchstrategy::dequantize_sum_cpu);
+  m.impl("powersgd_finish", &torchstrategy::powersgd_finish_cpu);
 }
 
 #ifdef TORCHSTRATEGY_WITH_CUDA  // set by setup.py when csrc/*.cu is built

@@ -67,3 +67,11 @@ def dequantize_sum(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
     every replica computes the same bits (csrc/ef_ops.h)."""
     _require_extension()
     torch.ops.torchstrategy.dequantize_sum(q, scales, out, int(chunk))
+
+
+def powersgd_finish(residual: torch.Tensor, p: torch.Tensor, q_local_t: torch.Tensor,
+                    q_t: torch.Tensor, out: torch.Tensor) -> None:
+    """PowerSGD's last pass, in place (csrc/powersgd_ops.h): ``residual -= p @ q_local_t``
+    (what this replica's term missed), ``out = p @ q_t`` (P Q^T); one fused pass on CPU."""
+    _require_extension()
+    torch.ops.torchstrategy.powersgd_finish(residual, p, q_local_t, q_t, out)

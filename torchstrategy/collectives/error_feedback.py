@@ -180,7 +180,8 @@ class ErrorFeedbackReducer:
         # there, and becomes the new residual) and writes P Q^T straight into the bucket:
         # on CPU these passes are bound by memory, and a fresh multi-MiB tensor per step
         # costs page faults on top (measured: 3-5x slower for GPT-2's 50257 x 768 matrix).
-        work = []   # (index, view, M, Q)
+        # The last pass (residual and output) is one fused kernel (csrc/powersgd_ops.h).
+        work = []   # (index, view, M, Q^T)
         for k, i in enumerate(slots.params):
             if not matrix[k] or not used[k]:
                 continue
@@ -189,25 +190,25 @@ class ErrorFeedbackReducer:
             cols = slots.numels[k] // rows
             view = flat.narrow(0, slots.offsets[k], slots.numels[k]).view(rows, cols)
             residual = self.residuals.get(i)
-            if residual is None or residual.device != view.device or \
-                    residual.dtype != torch.float32 or not residual.is_contiguous():
-                m = view.to(torch.float32, copy=True)
-                if residual is not None:
-                    m.add_(residual.to(m.device).view(rows, cols))
-            else:
-                m = residual.view(rows, cols).add_(view)   # gradient + residual, in place
-            self.residuals[i] = m.view(-1)
+            if residual is None:
+                residual = torch.zeros(rows * cols, dtype=torch.float32, device=view.device)
+            elif residual.device != view.device or residual.dtype != torch.float32 or \
+                    not residual.is_contiguous():
+                residual = residual.to(view.device, torch.float32).contiguous()
+            self.residuals[i] = residual
             q = self.qs.get(i)
             q = column_major((initial_q(algo.seed, i, cols, algo.rank) if q is None else q)
-                             .to(m.device))
-            work.append((i, view, m, q))
+                             .to(view.device))
+            work.append((i, view, residual.view(rows, cols), q.t()))
         if not work:
             return
         ps = torch.empty(sum(m.shape[0] for _, _, m, _ in work) * algo.rank,
                          dtype=torch.float32, device=flat.device)
         at = 0
-        for _, _, m, q in work:
-            torch.mm(m, q, out=ps.narrow(0, at, m.shape[0] * algo.rank).view(-1, algo.rank))
+        for _, view, m, q_t in work:
+            m.add_(view)                                # M = gradient + residual, in place
+            torch.mm(m, q_t.t(),                        # P = M Q
+                     out=ps.narrow(0, at, m.shape[0] * algo.rank).view(-1, algo.rank))
             at += m.shape[0] * algo.rank
         dist.all_reduce(ps, group=group)
         self._sent(ps)
@@ -218,23 +219,20 @@ class ErrorFeedbackReducer:
             rows = m.shape[0]
             p = orthonormalize(ps.narrow(0, at, rows * algo.rank).view(rows, algo.rank))
             at += rows * algo.rank
-            q_local_t = torch.mm(p.t(), m)       # (M^T P)^T, reading M row by row
-            m.addmm_(p, q_local_t, alpha=-1)     # residual = M - P Q_local^T, in place
-            bases.append(p)
-            q_locals.append(q_local_t.view(-1))  # sent rank-major: Q stays column_major
-        q_sum = torch.cat(q_locals)
+            bases.append(p.contiguous())
+            q_locals.append(torch.mm(p.t(), m))   # Q_local^T = P^T M, reading M row by row
+        # Sent rank-major (Q^T), so that Q stays column_major.
+        q_sum = torch.cat([q.view(-1) for q in q_locals])
         dist.all_reduce(q_sum, group=group)
         self._sent(q_sum)
         at = 0
-        for (i, view, m, _), p in zip(work, bases):
+        for (i, view, m, _), p, q_local_t in zip(work, bases, q_locals):
             cols = m.shape[1]
-            q = q_sum.narrow(0, at, cols * algo.rank).view(algo.rank, cols).t()
+            q_t = q_sum.narrow(0, at, cols * algo.rank).view(algo.rank, cols)
             at += cols * algo.rank
-            if view.dtype == torch.float32:
-                torch.mm(p, q.t(), out=view)
-            else:
-                view.copy_(p @ q.t())
-            self.qs[i] = column_major(q.clone())
+            # residual = M - P Q_local^T (this replica's miss); the bucket gets P Q^T.
+            _ops.powersgd_finish(m, p, q_local_t, q_t, view)
+            self.qs[i] = q_t.clone().t()   # column_major
 
     # -- Int8 ---------------------------------------------------------------------------
     def _bucket_residual(self, bucket: int, slots: BucketSlots,
