@@ -22,11 +22,12 @@ struct BucketSpec {
 
 // Lays out the parameters named by `order` (indices into the other vectors), in that order,
 // into buckets. Parameters with equal `keys` (dtype and device) may share a bucket;
-// parameters of different keys never do. A parameter goes into the open bucket of its key
-// unless that would take the bucket past its cap in bytes (`first_cap_bytes` for the first
-// bucket, at most `cap_bytes`; `cap_bytes` for the others): then that bucket is closed and
-// a new one opened. A parameter larger than the cap gets a bucket of its own. Buckets come
-// in the order they were opened, which is the order they are launched in.
+// parameters of different keys never do. The first bucket (capped at `first_cap_bytes`, at
+// most `cap_bytes`) takes parameters until it has reached its cap, the parameter crossing
+// it included. Any other bucket takes a parameter unless that would take it past
+// `cap_bytes`: then it is closed and a new one opened, so a parameter larger than the cap
+// gets a bucket of its own. Buckets come in the order they were opened, which is the order
+// they are launched in.
 std::vector<BucketSpec> compute_bucket_layout(const std::vector<int64_t>& order,
                                               const std::vector<int64_t>& numels,
                                               const std::vector<int64_t>& element_sizes,

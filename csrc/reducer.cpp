@@ -233,7 +233,9 @@ bool Reducer::finalize() {
                     .count();
       b.work.reset();
       b.py_work.reset();
-      if (b.wire.defined()) cast_copy(b.wire, b.flat, static_cast<double>(world_size_), false);
+      if (b.wire.defined()) {
+        cast_copy(b.wire, b.flat, b.averaged ? 1.0 : static_cast<double>(world_size_), false);
+      }
       // Launched before this backward asked to average: divided after the sum instead
       // (the same numbers as before it for a power-of-two world size).
       if (average_ && !b.averaged) b.flat.narrow(0, 0, b.flags_at).div_(world_size_);
@@ -371,6 +373,7 @@ void Reducer::launch(Bucket& b) {
   at::NoGradGuard no_grad;
   b.complete = b.pending == 0;
   b.averaged = average_;
+  const bool divide_on_wire = b.averaged && b.wire.defined();
   const size_t count = b.params.size();
   std::vector<float> flags(count, 1.0f);
   for (size_t k = 0; k < count; ++k) {
@@ -394,10 +397,12 @@ void Reducer::launch(Bucket& b) {
                 "Sparse gradients (nn.Embedding(sparse=True)) are not supported by the "
                 "gradient reducer; use dense gradients.");
     // Averaging divides each gradient as DDP's reducer does: while copying it into the
-    // bucket (times 1/N), or in place where it already lives there (divided by N).
-    bool divided = false;
+    // bucket (times 1/N), or in place where it already lives there (divided by N). A
+    // bucket that travels narrowed is divided by the narrowing instead (its 1/N scale,
+    // below), which saves a pass over the bucket.
+    bool divided = divide_on_wire;
     if (!is_view(i, contribution)) {
-      if (b.averaged && !synced_part_[i].defined()) {
+      if (b.averaged && !divided && !synced_part_[i].defined()) {
         at::mul_out(view, contribution, inverse_world_);
         divided = true;
       } else {
@@ -416,7 +421,8 @@ void Reducer::launch(Bucket& b) {
   }
   at::Tensor wire = b.flat;
   if (b.wire.defined()) {
-    // Each replica's values scaled by 1/N so that the sum stays in the wire's range.
+    // Each replica's values scaled by 1/N so that the sum stays in the wire's range (and,
+    // when averaging, so that it is the mean: then it is not multiplied back).
     cast_copy(b.flat, b.wire, 1.0 / static_cast<double>(world_size_), true);
     wire = b.wire;
   }

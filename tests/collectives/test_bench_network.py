@@ -46,7 +46,7 @@ def test_quick_mode_reports_every_configuration_on_a_shaped_link(tmp_path):
     gpt = summary["models"]["gpt2"]
     assert set(gpt["sync"]) == {"contiguous", "ddp-best", "ddp-fp16", "ours", "ours-bf16",
                                 "ours-powersgd4", "ours-int8"}
-    assert set(gpt["step"]) == set(gpt["sync"]) | {"local", "ours-autotuned"}
+    assert set(gpt["step"]) == set(gpt["sync"]) | {"local", "serial", "ours-autotuned"}
     for phase in ("sync", "step"):
         for name, row in gpt[phase].items():
             low, median, high = row["ms"]
@@ -64,7 +64,8 @@ def test_quick_mode_reports_every_configuration_on_a_shaped_link(tmp_path):
     assert auto["cap_bytes"] > 0
     assert set(gpt["sweep"]["ms"]) == {"1 MiB", "4 MiB", "16 MiB", "64 MiB", "one bucket"}
     targets = summary["targets"]["gpt2"]
-    assert set(targets) == {"ours / max(local, contiguous)", "ours-powersgd4 / ddp-best",
+    assert set(targets) == {"ours / max(local, contiguous)", "ours / (contiguous + serial)",
+                            "ours-powersgd4 / ddp-best",
                             "ours-powersgd4 / ddp-fp16", "ours-bf16 / ddp-fp16"}
     assert "targets (step phase" in done.stdout
 

@@ -30,9 +30,14 @@ def test_a_bucket_is_closed_when_the_next_parameter_would_pass_its_cap():
 
 def test_the_order_given_is_the_slot_and_launch_order():
     # Slots follow `order`, not the parameter indices: 3 (2 elements), then 0 at the next
-    # 16-byte boundary (4 elements in), 2 at 8; 1 does not fit in 48 bytes and opens a
-    # bucket of its own.
+    # 16-byte boundary (4 elements in), 2 at 8. In the first bucket (cap 48 bytes, 36
+    # reached) 1 still joins, at 12; in a second bucket (cap 48) it would not fit: a bucket
+    # of its own.
     assert layout([3, 0, 2, 1], [4, 9, 1, 2], [4] * 4, [F32] * 4, 48, 48) == [
+        ([3, 0, 2, 1], [0, 4, 8, 12], 21),
+    ]
+    assert layout([5, 3, 0, 2, 1], [4, 9, 1, 2, 2, 4], [4] * 6, [F32] * 6, 16, 48) == [
+        ([5], [0], 4),
         ([3, 0, 2], [0, 4, 8], 9),
         ([1], [0], 9),
     ]
@@ -52,12 +57,31 @@ def test_a_first_cap_above_the_cap_is_the_cap():
 
 
 def test_a_parameter_larger_than_the_cap_gets_a_bucket_of_its_own():
-    # 64-byte cap; parameter 1 is 400 bytes: it closes the bucket before it, and the one
-    # after it cannot join it.
-    assert layout([0, 1, 2], [2, 100, 3], [4] * 3, [F32] * 3, 64, 64) == [
-        ([0], [0], 2),
-        ([1], [0], 100),
+    # 64-byte caps; the first bucket is full with parameter 0 (64 bytes). Parameter 2 is 400
+    # bytes: it closes the bucket before it, and the one after it cannot join it.
+    assert layout([0, 1, 2, 3], [16, 2, 100, 3], [4] * 4, [F32] * 4, 64, 64) == [
+        ([0], [0], 16),
+        ([1], [0], 2),
+        ([2], [0], 100),
+        ([3], [0], 3),
+    ]
+
+
+def test_the_first_bucket_takes_the_gradient_that_crosses_its_cap():
+    # DDP's rule for the first bucket: it takes parameters until it has reached its cap (64
+    # bytes), the one crossing it included, however large (parameter 1, 400 bytes), so that
+    # a large first gradient is sent at once. The second bucket (cap 1000) never passes its
+    # cap: parameter 3 (1200 bytes) opens its own.
+    assert layout([0, 1, 2, 3, 4], [2, 100, 3, 300, 1], [4] * 5, [F32] * 5, 64, 1000) == [
+        ([0, 1], [0, 4], 104),
         ([2], [0], 3),
+        ([3], [0], 300),
+        ([4], [0], 1),
+    ]
+    # Below its cap the first bucket keeps taking parameters; at the cap it is closed.
+    assert layout([0, 1, 2], [4, 4, 4], [4] * 3, [F32] * 3, 20, 1000) == [
+        ([0, 1], [0, 4], 8),
+        ([2], [0], 4),
     ]
 
 

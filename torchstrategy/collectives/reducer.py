@@ -4,7 +4,9 @@ over replicas.
 How it works (the design DDP's reducer made standard):
 
 - Parameters are laid out in *buckets*, one dtype and device per bucket, each at most
-  ``bucket_cap_bytes`` (25 MiB); the first bucket is small so communication starts early.
+  ``bucket_cap_bytes`` (25 MiB) unless a single parameter is larger; the first bucket is
+  small so communication starts early (it takes gradients until it reaches its 1 MiB, the
+  one crossing it included, as DDP's first bucket: csrc/bucket_layout.h).
   The first layout follows reverse registration order; after the first synchronised
   backward the buckets are rebuilt once in the order gradients actually arrived (replica
   0's order, broadcast, so every replica has the same buckets). Every parameter's slot
