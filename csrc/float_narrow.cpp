@@ -1,18 +1,9 @@
 // See float_narrow.h.
 #include "float_narrow.h"
 
-#include <cstring>
+#include "cpu_levels.h"
 
-// Multiversioning needs GCC >= 12 on x86-64 (target_clones of a "arch=" level, _Float16);
-// elsewhere the plain loops below are what the compiler makes of them.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
-#define TORCHSTRATEGY_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#define TORCHSTRATEGY_HAS_FLOAT16 1
-#else
-#define TORCHSTRATEGY_CLONES
-#define TORCHSTRATEGY_HAS_FLOAT16 0
-#endif
+#include <cstring>
 
 namespace torchstrategy {
 namespace {
