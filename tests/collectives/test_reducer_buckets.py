@@ -253,6 +253,51 @@ def _compressed(compression):
                                "local": local, "stats": strategy.extended.stats()})
 
 
+def _compressed_mean(compression):
+    # Two averaged backward calls without zero_grad: the second adds its mean to the first
+    # (the older sum kept aside while the bucket carries the new one).
+    strategy = ts.MirroredStrategy(
+        cross_device_ops=ts.NcclAllReduce(compression=compression))
+    rank = strategy.extended.replica_id
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    g = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(8, 16, generator=g) * (rank + 1) for _ in range(2)]
+    means = []
+    for x in xs:
+        strategy.run(lambda x=x: ts.scale_mean_loss(model(x).pow(2).sum()).backward())
+        means.append({k: p.grad.clone() for k, p in model.named_parameters()})
+
+    def local(x):
+        return torch.func.grad(lambda params: torch.func.functional_call(
+            model, params, (x,)).pow(2).sum())({k: v.detach() for k, v in
+                                                model.named_parameters()})
+    views = all(strategy.extended.gradient_reducer.is_bucket_view(p)
+                for p in model.parameters())
+    return from_every_replica({"means": means, "local": [local(x) for x in xs],
+                               "views": views})
+
+
+@pytest.mark.parametrize("compression,unit_roundoff", [("bf16", 2.0 ** -8),
+                                                       ("fp16", 2.0 ** -11)])
+def test_an_averaged_backward_over_a_narrow_wire_gives_the_mean(compression, unit_roundoff):
+    # The wire's 1/N scale is the averaging (no pass of its own): 3 replicas, where 1/3 is
+    # not exact, still get the mean within the wire's rounding, the same on every replica,
+    # and accumulation without zero_grad adds the second mean to the first.
+    n = 3
+    per_replica = launch(_compressed_mean, compression, n=n)
+    for step in range(2):
+        for key, got in per_replica[0]["means"][step].items():
+            parts = [r["local"][k][key] for r in per_replica for k in range(step + 1)]
+            exact = sum(parts) / n
+            bound = 3 * unit_roundoff * sum(p.abs() for p in parts) / n + 1e-30
+            assert bool(((got - exact).abs() <= bound).all()), (compression, step, key)
+            for other in per_replica[1:]:
+                assert torch.equal(other["means"][step][key], got)
+    assert all(r["views"] for r in per_replica)
+
+
 def test_compression_error_is_bounded_by_the_wire_precision():
     n = 2
     for compression, unit_roundoff in (("bf16", 2.0 ** -8), ("fp16", 2.0 ** -11)):
