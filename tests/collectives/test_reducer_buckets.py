@@ -229,53 +229,54 @@ def test_gradients_are_bucket_views_with_exact_sums_in_every_dtype():
     assert exposed[0] > exposed[1], exposed
 
 
-def _compressed(compression):
+def _compressed_setup(compression):
+    """A strategy with `compression` on the wire, a small fp32 model built in its scope, and
+    this replica's generator."""
     strategy = ts.MirroredStrategy(
         cross_device_ops=ts.NcclAllReduce(compression=compression))
-    rank = strategy.extended.replica_id
     torch.manual_seed(0)
     with strategy.scope():
         model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    return strategy, model, torch.Generator().manual_seed(strategy.extended.replica_id)
+
+
+def _local_grads(model, x):
+    """This replica's own gradient of the loss the tests use, without the strategy."""
+    return torch.func.grad(lambda params: torch.func.functional_call(model, params, (x,))
+                           .pow(2).sum())({k: v.detach() for k, v in
+                                          model.named_parameters()})
+
+
+def _compressed(compression):
+    strategy, model, g = _compressed_setup(compression)
+    with strategy.scope():
         half = nn.Linear(4, 4, dtype=torch.float16)   # already 2 bytes: never compressed
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(8, 16, generator=g) * (rank + 1)
+    x = torch.randn(8, 16, generator=g) * (strategy.extended.replica_id + 1)
 
     def step():
         (model(x).pow(2).sum() + half(torch.ones(1, 4, dtype=torch.float16)).sum()).backward()
 
     strategy.run(step)
-    local = torch.func.grad(lambda params: torch.func.functional_call(model, params, (x,))
-                            .pow(2).sum())({k: v.detach() for k, v in
-                                           model.named_parameters()})
     return from_every_replica({"grads": {k: p.grad.clone() for k, p in
                                          model.named_parameters()},
                                "half": half.weight.grad.clone(),
-                               "local": local, "stats": strategy.extended.stats()})
+                               "local": _local_grads(model, x),
+                               "stats": strategy.extended.stats()})
 
 
 def _compressed_mean(compression):
     # Two averaged backward calls without zero_grad: the second adds its mean to the first
     # (the older sum kept aside while the bucket carries the new one).
-    strategy = ts.MirroredStrategy(
-        cross_device_ops=ts.NcclAllReduce(compression=compression))
-    rank = strategy.extended.replica_id
-    torch.manual_seed(0)
-    with strategy.scope():
-        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
-    g = torch.Generator().manual_seed(rank)
-    xs = [torch.randn(8, 16, generator=g) * (rank + 1) for _ in range(2)]
+    strategy, model, g = _compressed_setup(compression)
+    xs = [torch.randn(8, 16, generator=g) * (strategy.extended.replica_id + 1)
+          for _ in range(2)]
     means = []
     for x in xs:
         strategy.run(lambda x=x: ts.scale_mean_loss(model(x).pow(2).sum()).backward())
         means.append({k: p.grad.clone() for k, p in model.named_parameters()})
-
-    def local(x):
-        return torch.func.grad(lambda params: torch.func.functional_call(
-            model, params, (x,)).pow(2).sum())({k: v.detach() for k, v in
-                                                model.named_parameters()})
     views = all(strategy.extended.gradient_reducer.is_bucket_view(p)
                 for p in model.parameters())
-    return from_every_replica({"means": means, "local": [local(x) for x in xs],
+    return from_every_replica({"means": means, "local": [_local_grads(model, x) for x in xs],
                                "views": views})
 
 
