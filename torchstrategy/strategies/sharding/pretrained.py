@@ -15,6 +15,8 @@ key, or all load.
 from __future__ import annotations
 
 import os
+import pwd
+import stat
 import zipfile
 from typing import Any, Callable, Mapping, NamedTuple
 
@@ -29,6 +31,15 @@ from torchstrategy.strategies.sharding import state
 _NESTED_KEYS = ("model", "state_dict")
 # The prefix ShardedStrategy's save_checkpoint gives the model's keys in a DCP checkpoint.
 _DCP_MODEL_PREFIX = "model."
+# Prefixes a wrapper puts before a model's own keys when its state_dict is saved through the
+# wrapper: DistributedDataParallel's (and DataParallel's) "module.", torch.compile's
+# "_orig_mod.". A source whose keys are the model's behind one of them gets the way to strip it.
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+# The first bytes of a zip archive's first entry: how a torch.save file starts.
+_ZIP_MAGIC = b"PK\x03\x04"
+# A pickle stream (protocol 2 or later) starts with this byte: how a torch.save file written
+# with _use_new_zipfile_serialization=False starts.
+_PICKLE_PROTO = b"\x80"
 
 
 class LoadResult(NamedTuple):
@@ -77,8 +88,11 @@ def load_pretrained(model: torch.nn.Module, source: str | os.PathLike[str], *,
 
     Raises:
       FileNotFoundError: no `source`; a DCP directory without ``.metadata`` or a data file.
+      PermissionError: `source`, or a directory on its way, that this user may not read
+        (named, with the user), rather than a missing or incomplete one.
       KeyError: with ``strict=True``, keys missing from `source` or unexpected in it (named).
-      ValueError: a shape mismatch (named), an unreadable file, a file of no known format.
+      ValueError: a shape mismatch (named), a truncated or corrupt file, a file of no known
+        format.
       RuntimeError: a truncated or corrupt DCP checkpoint (the file named).
       With sharded parameters every replica raises the same error, before anything is
       copied.
@@ -91,16 +105,21 @@ def load_pretrained(model: torch.nn.Module, source: str | os.PathLike[str], *,
     path = os.fspath(source)
     targets = model.state_dict(keep_vars=True)
     sharded = any(isinstance(t, DTensor) for t in targets.values())
-    if os.path.isdir(path):
-        return _load_dcp(path, targets, sharded, strict)
     opened: _Source | None = None
     plan: list[_Target] = []
     result = LoadResult([], [])
     problem = None
     try:
-        _check_not_meta(targets)
-        opened = _open(path)
-        plan, result = _plan(targets, opened.shapes, strict, path)
+        is_directory = _is_directory(path)
+    except PermissionError as error:     # agreed below, with the file's problems
+        is_directory, problem = False, state.problem_of(error)
+    if is_directory:
+        return _load_dcp(path, targets, sharded, strict)
+    try:
+        if problem is None:
+            _check_not_meta(targets)
+            opened = _open(path)
+            plan, result = _plan(targets, opened.shapes, strict, path)
     except (OSError, KeyError, ValueError, RuntimeError) as error:
         problem = state.problem_of(error)
     try:
@@ -138,6 +157,14 @@ def _plan(targets: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, .
             parts.append(f"missing from it: {_names(missing)}")
         if unexpected:
             parts.append(f"in it but not in the model: {_names(unexpected)}")
+        prefix = _wrapper_prefix(missing, unexpected)
+        if prefix is not None:
+            raise KeyError(
+                f"load_pretrained({path!r}): its keys are the model's behind the prefix "
+                f"{prefix!r} (saved from a {_WRAPPER_NAMES[prefix]}: {_names(unexpected, 3)}). "
+                f"Strip the prefix and save the file again: state = {{k.removeprefix("
+                f"{prefix!r}): v for k, v in state.items()}}; or save the unwrapped model's "
+                f"state_dict (model.module.state_dict() under DDP).")
         raise KeyError(f"load_pretrained({path!r}): the keys differ from the model's; "
                        f"{'; '.join(parts)}. Rename the keys, or pass strict=False to load "
                        "the common ones.")
@@ -156,6 +183,23 @@ def _plan(targets: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, .
     return plan, LoadResult(missing, unexpected)
 
 
+_WRAPPER_NAMES = {"module.": "DistributedDataParallel (or DataParallel) wrapper",
+                  "_orig_mod.": "torch.compile'd module"}
+
+
+def _wrapper_prefix(missing: list[str], unexpected: list[str]) -> str | None:
+    """The wrapper prefix (`_WRAPPER_PREFIXES`) that every key of the source the model lacks
+    starts with, and behind which the source holds every key the model misses, or None: the
+    source is then the model's state_dict saved through DDP or torch.compile."""
+    if not missing:
+        return None
+    for prefix in _WRAPPER_PREFIXES:
+        if all(key.startswith(prefix) for key in unexpected) and \
+                set(missing) <= {key.removeprefix(prefix) for key in unexpected}:
+            return prefix
+    return None
+
+
 def _names(keys: list[str], shown: int = 8) -> str:
     more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
     return ", ".join(repr(k) for k in keys[:shown]) + more
@@ -164,18 +208,88 @@ def _names(keys: list[str], shown: int = 8) -> str:
 def _open(path: str) -> _Source:
     """The file `path` as a `_Source`, by its format (not its name: a safetensors file
     starts with its header's length and ``{``, a torch file is a zip archive)."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"load_pretrained: no file or directory at {path!r}.")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"load_pretrained: no file or directory at {path!r}.") from error
+    except PermissionError as error:
+        raise _permission_error(path, "file") from error
     if zipfile.is_zipfile(path):
         return _open_torch(path)
-    with open(path, "rb") as f:
-        head = f.read(9)
     if len(head) == 9 and head[8:9] == b"{":
         return _open_safetensors(path)
+    if head.startswith(_ZIP_MAGIC):
+        raise ValueError(
+            f"load_pretrained: {path!r} is a torch.save file (a zip archive) that is truncated "
+            f"or corrupt: its {os.path.getsize(path)} bytes end before the archive's "
+            "directory. Copy or download it again (compare its size with the original's).")
+    if not head:
+        raise ValueError(f"load_pretrained: {path!r} is empty (0 bytes): a copy or download "
+                         "that did not finish. Copy or download it again.")
+    if head.startswith(_PICKLE_PROTO):
+        raise ValueError(
+            f"load_pretrained: {path!r} is a torch.save file in the old format "
+            "(_use_new_zipfile_serialization=False), which cannot be memory-mapped: load it "
+            "with torch.load and save it again with torch.save.")
     raise ValueError(
-        f"load_pretrained: {path!r} is neither a torch.save file (zip format; files saved "
-        "with _use_new_zipfile_serialization=False cannot be memory-mapped: load and save "
-        "them again), nor a safetensors file, nor a torch.distributed.checkpoint directory.")
+        f"load_pretrained: {path!r} is neither a torch.save file (a zip archive), nor a "
+        "safetensors file, nor a torch.distributed.checkpoint directory.")
+
+
+def _is_directory(path: str) -> bool:
+    """``os.path.isdir``, except that a path this user may not look up (a directory on its
+    way that is not searchable) raises the PermissionError naming it, where ``isdir`` would
+    say False and the path would then be reported missing."""
+    try:
+        return stat.S_ISDIR(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return False
+    except PermissionError as error:
+        raise _permission_error(path, "path") from error
+
+
+def _permission_error(path: str, what: str) -> PermissionError:
+    """The error for `path` that exists (or may) but that this user may not read: it names
+    the first directory on the way that cannot be searched, or the file itself."""
+    blocked = _first_unsearchable_directory(path)
+    user = _user()
+    if blocked is not None:
+        return PermissionError(
+            f"load_pretrained: cannot reach {path!r}: the directory {blocked!r} on its way "
+            f"cannot be searched by {user} (permission denied; whether the {what} exists "
+            f"cannot be told). Give this user access (chmod o+x, or the directory's group), "
+            f"or copy the weights somewhere it can read.")
+    return PermissionError(
+        f"load_pretrained: {path!r} exists but {user} may not read it (permission denied). "
+        f"Give this user read access (chmod o+r, or the {what}'s group), or copy the weights "
+        f"somewhere it can read.")
+
+
+def _first_unsearchable_directory(path: str) -> str | None:
+    """The first directory from the root down to `path`'s parent that this process cannot
+    look into (listing a name in it raises PermissionError), or None."""
+    directory = os.path.dirname(os.path.abspath(path))
+    parts = [directory]
+    while os.path.dirname(parts[-1]) != parts[-1]:
+        parts.append(os.path.dirname(parts[-1]))
+    for candidate in reversed(parts):
+        try:
+            os.stat(os.path.join(candidate, "."))
+        except PermissionError:
+            return candidate
+        except OSError:
+            return None
+    return None
+
+
+def _user() -> str:
+    """This process's user, as a message names it: the name and the uid."""
+    uid = os.geteuid()
+    try:
+        return f"user {pwd.getpwuid(uid).pw_name!r} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 def _open_torch(path: str) -> _Source:
@@ -226,6 +340,30 @@ def _open_safetensors(path: str) -> _Source:
     return _Source(shapes, read, lambda: handle.__exit__(None, None, None))
 
 
+def _check_dcp_readable(path: str) -> None:
+    """A DCP directory this user may not list or read is refused as such: the checks of
+    `state.read_dcp_metadata` would otherwise find no ``.metadata`` and call it
+    incomplete."""
+    try:
+        for name in os.listdir(path):    # .metadata, the data files, the checksums
+            file = os.path.join(path, name)
+            if os.path.isfile(file):
+                with open(file, "rb"):
+                    pass
+    except PermissionError as error:
+        target = error.filename if isinstance(error.filename, str) else path
+        if target == path:
+            raise PermissionError(
+                f"load_pretrained: the checkpoint directory {path!r} cannot be read by "
+                f"{_user()} (permission denied): it may well be complete. Give this user "
+                f"read and search access (chmod -R o+rX, or the directory's group), or copy "
+                f"it somewhere it can read.") from error
+        raise PermissionError(
+            f"load_pretrained: {target!r} of the checkpoint directory {path!r} cannot be "
+            f"read by {_user()} (permission denied). Give this user read access (chmod -R "
+            f"o+rX, or the files' group), or copy it somewhere it can read.") from error
+
+
 def _load_dcp(path: str, targets: Mapping[str, torch.Tensor], sharded: bool, strict: bool
               ) -> LoadResult:
     """From a DCP directory: the keys and shapes are checked against its metadata, then
@@ -234,7 +372,8 @@ def _load_dcp(path: str, targets: Mapping[str, torch.Tensor], sharded: bool, str
     problem = None
     try:
         _check_not_meta(targets)
-    except ValueError as error:
+        _check_dcp_readable(path)
+    except (ValueError, PermissionError) as error:
         problem = state.problem_of(error)
     state.agree(problem, collective=sharded)
     metadata = state.read_dcp_metadata(path, collective=sharded)
