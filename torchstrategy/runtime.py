@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torchstrategy import _compat
 from torchstrategy.cluster_resolver import detect
 from torchstrategy.cluster_resolver.base import ClusterResolver
-from torchstrategy.launch import reexec, rendezvous
+from torchstrategy.launch import network, reexec, rendezvous
 from torchstrategy.launch import world as world_lib
 
 logger = logging.getLogger("torchstrategy")
@@ -169,12 +169,24 @@ class Runtime:
         else:
             store = world.store if world.store is not None else rendezvous.connect(
                 world.master_addr, world.master_port, world.world_size, timeout)
-        if store is None:
-            dist.init_process_group(backend, init_method="env://", timeout=timeout)
-        else:
-            dist.init_process_group(backend, store=store, rank=world.rank,
-                                    world_size=world.world_size, timeout=timeout)
-            self._store = store
+        # Several machines: the interface the others reach, unless the user chose one.
+        network.configure(world.master_addr, world.num_nodes)
+        advertised = None
+        if store is not None and world.num_nodes > 1:
+            advertised = network.exchange_addresses(store, world.rank, world.node_rank,
+                                                    world.world_size, timeout_seconds)
+        try:
+            if store is None:
+                dist.init_process_group(backend, init_method="env://", timeout=timeout)
+            else:
+                dist.init_process_group(backend, store=store, rank=world.rank,
+                                        world_size=world.world_size, timeout=timeout)
+                self._store = store
+        except (RuntimeError, OSError) as error:  # gloo / TCPStore's DistError included
+            if world.num_nodes <= 1:
+                raise
+            raise network.connection_error(error, world.rank, world.node_rank, advertised,
+                                           timeout_seconds) from error
         return None
 
     def rendezvous_store(self) -> dist.Store | None:

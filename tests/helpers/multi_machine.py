@@ -45,7 +45,11 @@ def clean_env(**extra):
 
 
 def free_port(host="127.0.0.1", netns=None):
-    """A port the OS reports free on `host` (inside `netns` when given)."""
+    """A port the OS reports free on `host` (inside `netns` when given: a namespace's name,
+    or a `tests.helpers.cluster.Node`)."""
+    if netns is not None and not isinstance(netns, str):
+        return int(netns.python("import socket; s = socket.socket(); s.bind(('', 0)); "
+                                "print(s.getsockname()[1])"))
     if netns is None:
         with socket.socket() as s:
             s.bind((host, 0))
@@ -61,8 +65,10 @@ class Machine:
     """A started machine: its process, its log file."""
 
     def __init__(self, command, env, log_path, netns=None):
-        if netns is not None:
+        if isinstance(netns, str):
             command = ["ip", "netns", "exec", netns] + command
+        elif netns is not None:  # a tests.helpers.cluster.Node: its hostname too
+            command = netns.command(command)
         self.log_path = log_path
         self._log = open(log_path, "w")
         self.process = subprocess.Popen(command, env=env, stdout=self._log,
@@ -101,8 +107,10 @@ def wait_all(machines, timeout=PROCESS_TIMEOUT):
 
 
 def start_torchrun_machines(mode, outdir, nproc, *, nnodes=2, hosts=None, netns=None,
-                            ifnames=None, max_restarts=0, **env):
-    """Starts `nnodes` torchrun agents (node 0 hosts the c10d rendezvous)."""
+                            ifnames=None, max_restarts=0, user_flags_only=False, **env):
+    """Starts `nnodes` torchrun agents (node 0 hosts the c10d rendezvous). With
+    `user_flags_only`, only the flags a user types are given (no ``--local-addr``, no
+    ``is_host``): torchrun recognises the store's host by its name."""
     hosts = hosts or ["127.0.0.1"] * nnodes
     port = free_port(hosts[0], netns[0] if netns else None)
     run_id = uuid.uuid4().hex[:12]
@@ -111,9 +119,11 @@ def start_torchrun_machines(mode, outdir, nproc, *, nnodes=2, hosts=None, netns=
         command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
                    f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
                    f"--rdzv-endpoint={hosts[0]}:{port}", f"--rdzv-id={run_id}",
-                   f"--rdzv-conf=is_host={'true' if node == 0 else 'false'}",
-                   f"--local-addr={hosts[node]}", f"--max-restarts={max_restarts}",
-                   "--monitor-interval=0.5", SCRIPT, mode, str(outdir)]
+                   f"--max-restarts={max_restarts}", "--monitor-interval=0.5"]
+        if not user_flags_only:
+            command[-2:-2] = [f"--rdzv-conf=is_host={'true' if node == 0 else 'false'}",
+                              f"--local-addr={hosts[node]}"]
+        command += [SCRIPT, mode, str(outdir)]
         extra = dict(env)
         # torch >= 2.4 shares one rendezvous store across restarted rounds; a restarted
         # round could read the previous round's addresses (see the strategy's warning).

@@ -15,6 +15,7 @@ MODE:
   peer_death  the replica of rank 1 dies (SIGKILL) after a few steps; the others carry on.
   peer_hang   the replica of rank 1 stops taking part (sleeps) after a few steps.
 """
+import logging
 import os
 import signal
 import sys
@@ -27,6 +28,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import torchstrategy as ts  # noqa: E402
 from tests.core.test_equivalence import l2_term, make_data, make_model  # noqa: E402
+
+if os.environ.get("TEST_LOG_LEVEL"):   # to see the library's INFO records (its choices)
+    logging.basicConfig(level=os.environ["TEST_LOG_LEVEL"])
 
 mode, outdir = sys.argv[1], sys.argv[2]
 devices = [f"cpu:{i}" for i in range(int(sys.argv[3]))] if len(sys.argv) > 3 else None

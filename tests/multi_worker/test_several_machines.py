@@ -1,0 +1,149 @@
+"""Several machines for real: two nodes of a cluster of network namespaces (tests/helpers/
+cluster.py), each with its own address, hostname and /etc/hosts, where each hostname
+resolves to loopback (127.0.1.1), as Debian's and Ubuntu's default /etc/hosts have it, and
+nothing about the network is set (no GLOO_SOCKET_IFNAME): the library picks the interface.
+
+Two machines x two CPU replicas must train exactly like one device (the core equivalence
+test's model and data), started as a user would: ``python train.py`` with TF_CONFIG naming
+the machines by hostname, and torchrun with ``--rdzv-endpoint=node0:PORT`` and no other
+network flag. Where the machines cannot connect, every process ends within the timeout with
+one error naming the addresses the machines advertised and the fix.
+"""
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.core.test_equivalence import single_device_training
+from tests.helpers import ROOT
+from tests.helpers.cluster import cluster
+from tests.helpers.multi_machine import start_tf_config_machines, start_torchrun_machines, \
+    wait_all
+from tests.helpers.replicas import assert_same_tensors
+
+pytestmark = pytest.mark.multi_worker
+
+TIMEOUT = 30   # the collective timeout of every process here
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    with cluster(2, hostname_resolves_to="loopback") as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return single_device_training("sgd")
+
+
+def _env(**extra):
+    env = {"TORCHSTRATEGY_TIMEOUT_SECONDS": str(TIMEOUT)}
+    env.update(extra)
+    return env
+
+
+def _check_equivalence(outdir, machines, reference):
+    codes = wait_all(machines, timeout=240)
+    logs = [m.log() for m in machines]
+    assert codes == [0, 0], "\n\n".join(log[-3000:] for log in logs)
+    for rank in range(4):
+        result = torch.load(os.path.join(outdir, f"train-rank{rank}.pt"))
+        assert result["facts"]["replicas"] == 4 and result["facts"]["num_workers"] == 2
+        for variant in ("default", "hierarchical"):
+            got = result[variant]
+            torch.testing.assert_close(torch.tensor(got["losses"]),
+                                       torch.tensor(reference["losses"]), atol=1e-6, rtol=0)
+            assert_same_tensors(got["final"], reference["final"], atol=1e-6, rtol=0,
+                                what=f"{variant} rank {rank}")
+    return logs
+
+
+def test_the_cluster_is_what_a_user_meets(nodes):
+    node0, node1 = nodes.nodes
+    out = node1.python("import socket; print(socket.gethostname(), "
+                       "socket.gethostbyname(socket.gethostname()), "
+                       "socket.gethostbyname('node0'))").split()
+    assert out == ["node1", "127.0.1.1", node0.address]
+    # The nodes reach each other's addresses, and only through the bridge.
+    server = subprocess.Popen(node0.command([sys.executable, "-c", (
+        "import socket; s = socket.socket(); s.bind(('', 5555)); s.listen(); "
+        "c, a = s.accept(); c.sendall(a[0].encode()); c.close()")]),
+        stdout=subprocess.PIPE, text=True)
+    try:
+        seen = node1.python("import socket, time\n"
+                            "for _ in range(100):\n"
+                            "    try:\n"
+                            f"        c = socket.create_connection(({node0.address!r}, 5555))\n"
+                            "        break\n"
+                            "    except OSError:\n"
+                            "        time.sleep(0.05)\n"
+                            "print(c.recv(100).decode())").strip()
+        assert seen == node1.address
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_tf_config_machines_named_by_hostname_train_exactly(nodes, tmp_path, reference):
+    # TF_CONFIG names the machines as users write them: node0:PORT, node1:2222.
+    machines = start_tf_config_machines(
+        "train", tmp_path, replicas=2, hosts=["node0", "node1"], netns=nodes.nodes,
+        **_env(TEST_LOG_LEVEL="INFO"))
+    logs = _check_equivalence(tmp_path, machines, reference)
+    # The choice is logged (once per replica process, at INFO).
+    assert "using network interface eth0" in logs[1], logs[1][-3000:]
+
+
+def test_torchrun_with_only_the_endpoint_trains_exactly(nodes, tmp_path, reference):
+    machines = start_torchrun_machines("train", tmp_path, nproc=2,
+                                       hosts=["node0", "node1"], netns=nodes.nodes,
+                                       user_flags_only=True, **_env())
+    _check_equivalence(tmp_path, machines, reference)
+
+
+def test_the_interface_chosen_on_each_node(nodes):
+    # The module alone (not the whole library: a faster start).
+    code = ("import importlib.util, json, sys; "
+            "spec = importlib.util.spec_from_file_location('network', {path!r}); "
+            "network = sys.modules['network'] = importlib.util.module_from_spec(spec); "
+            "spec.loader.exec_module(network); "
+            "c = network.choose('node0'); "
+            "print(json.dumps([c.interface, c.address] if c else None))"
+            ).format(path=os.path.join(ROOT, "torchstrategy", "launch", "network.py"))
+    for node in nodes.nodes:
+        # node0 reaches the chief (itself) by a name that resolves to loopback there; node1
+        # by node0's address: both must advertise their own eth0 address.
+        chosen = node.python(code).strip()
+        assert chosen == f'["eth0", "{node.address}"]', (node, chosen)
+
+
+def test_advertised_loopback_is_one_error_naming_addresses_and_fix(nodes, tmp_path):
+    # The user pins gloo to loopback on both machines (a wrong GLOO_SOCKET_IFNAME): theirs
+    # is left alone, and every replica ends at once, before gloo tries to connect, with one
+    # error naming what each machine advertised and the fix.
+    started = time.monotonic()
+    machines = start_tf_config_machines(
+        "train", tmp_path, replicas=2, hosts=["node0", "node1"], netns=nodes.nodes,
+        **_env(GLOO_SOCKET_IFNAME="lo"))
+    codes = wait_all(machines, timeout=3 * TIMEOUT + 60)
+    elapsed = time.monotonic() - started
+    logs = [m.log() for m in machines]
+    assert all(code != 0 for code in codes), logs
+    errors = [line for log in logs for line in log.splitlines()
+              if line.startswith("RuntimeError: torchstrategy:")]
+    assert len(errors) == 4, "\n\n".join(log[-3000:] for log in logs)
+    for error in errors:
+        assert "the replicas run on 2 machines, but replica 0 on node0 (machine 0): " \
+               "127.0.0.1 (lo, GLOO_SOCKET_IFNAME);" in error
+        assert "replica 3 on node1 (machine 1): 127.0.0.1 (lo, GLOO_SOCKET_IFNAME) " \
+               "advertise(s) a loopback address" in error
+        assert "Fix: set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) on every machine" in error
+    assert not any("Gloo connectFullMesh" in log for log in logs)
+    # No wait for connections that cannot succeed (start-up and exit only).
+    assert elapsed < 2 * TIMEOUT, elapsed
+    assert not any(node.pids() for node in nodes.nodes)
