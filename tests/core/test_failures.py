@@ -1,5 +1,6 @@
 """A dead or stuck replica gives a prompt, clear error: never a hang."""
 import os
+import sys
 import time
 
 import pytest
@@ -63,3 +64,24 @@ def test_the_root_cause_is_reported_not_the_follow_on_collective_failure():
     for _ in range(3):  # whichever report arrives first
         with pytest.raises(ValueError, match="bad input on replica 1"):
             ts.launch(_replica_one_raises_while_zero_waits, num_replicas=2, timeout_seconds=60)
+
+
+def _replica_one_calls_sys_exit(code):
+    strategy = ts.MirroredStrategy()
+    with strategy.scope():
+        model = torch.nn.Linear(3, 1)
+    for step in range(4):
+        if step == 2 and strategy.extended.replica_id == 1:
+            sys.exit(code)
+        strategy.run(lambda: model(torch.ones(2, 3)).sum().backward())
+    return "finished"
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_replica_calling_sys_exit_mid_training_fails_the_launch_naming_it(code):
+    # Issue 36, item 3: before, sys.exit(0) on one replica made ts.launch raise
+    # SystemExit(0): the launching script exited 0, silently, on a job that did not finish.
+    with pytest.raises(ReplicaFailed, match=rf"replica 1 ended early: it called "
+                                            rf"sys.exit\({code}\) inside "
+                                            r"_replica_one_calls_sys_exit\(\)"):
+        ts.launch(_replica_one_calls_sys_exit, code, num_replicas=2, timeout_seconds=60)

@@ -12,6 +12,7 @@ from tests.helpers import SCRIPTS
 from tests.helpers.processes import alive, plain_environment
 
 SCRIPT = os.path.join(SCRIPTS, "reexec_train.py")
+FAILING = os.path.join(SCRIPTS, "failing_replica.py")
 
 
 def _pids(outdir):
@@ -57,7 +58,25 @@ def test_a_failing_replica_ends_the_job_with_its_exit_code(tmp_path):
     assert result.returncode == 3, result.stderr
     assert "replica 1 exited with code 3" in result.stderr
     assert _TIMED_OUT not in result.stderr, result.stderr[-3000:]
+    # Issue 36, item 9: replica 0's error names replica 1's sys.exit(3), not uneven input.
+    assert "Replica 1 failed first: it called sys.exit(3)" in result.stderr, \
+        result.stderr[-3000:]
+    assert "uneven input" not in result.stderr
     _assert_no_orphans(tmp_path)
+
+
+@pytest.mark.parametrize("mode, error", [
+    ("sharded_keyerror", "KeyError: 'learning_rate'"),
+    ("init_fn_raises", "ValueError: init_fn fails on replica 1 on purpose")])
+def test_the_replica_that_raised_first_is_named_after_the_others_raw_error(mode, error):
+    # Issue 36, item 9: replica 0 fails in FSDP2's collective with gloo's raw "Connection
+    # closed by peer"; the job's last line names replica 1 and the exception it raised.
+    result = subprocess.run([sys.executable, FAILING, mode], env=plain_environment(),
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert (f"torchstrategy: replica 1 exited with code 1 (it raised {error}); the job exits "
+            "with its code. Replica 0's error above follows from it") in result.stderr, \
+        result.stderr[-3000:]
 
 
 def test_replica_zero_failing_stops_the_others(tmp_path):

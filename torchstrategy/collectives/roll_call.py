@@ -6,7 +6,10 @@ every surviving replica signs in at the rendezvous store; the replicas that have
 signed in within a few seconds are the ones that died or are stuck, and the error names
 them. A replica whose program ended without an error has said so in the store (see
 `Runtime.announce_finished`): it is named as such, the usual sign of replicas that ran
-different numbers of steps. This needs nothing while training goes well: the store is
+different numbers of steps. A replica whose failure was written in the store (its uncaught
+exception, by itself; its exit code, by the launcher that saw it: `world_lib.ENDED_KEY`)
+is named with it: "replica 1 failed first: it raised KeyError: 'x'", "it called
+sys.exit(3)". This needs nothing while training goes well: the store is
 touched only after a failure (and once at a replica's exit).
 """
 from __future__ import annotations
@@ -53,7 +56,8 @@ class RollCall:
             while True:
                 missing = [r for r in range(self.world_size)
                            if r != rank and not store.check([f"{prefix}/{r}"])]
-                waiting_for = [r for r in missing if not _finished(store, r)]
+                waiting_for = [r for r in missing if not _finished(store, r)
+                               and not store.check([world_lib.ENDED_KEY.format(r)])]
                 if not waiting_for or time.monotonic() >= deadline:
                     return missing
                 time.sleep(0.1)
@@ -77,17 +81,22 @@ class RollCall:
             return ("Every replica is still running (one of them issued a different "
                     "collective).")
         try:
-            finished = [r for r in missing if _finished(store, r)]
+            notes = _end_notes(store, missing)
+            finished = [r for r in missing if not notes.get(r) and _finished(store, r)]
         except (RuntimeError, OSError):
-            finished = []
-        stuck = [r for r in missing if r not in finished]
-        sentences = []
+            notes, finished = {}, []
+        failed = [r for r in missing if notes.get(r)]
+        stuck = [r for r in missing if r not in finished and r not in failed]
+        sentences = [f"{self.name_of_rank(r)[:1].upper()}{self.name_of_rank(r)[1:]} failed "
+                     f"first: it {notes[r]} (the error to fix is that one; this replica's "
+                     "follows from it)." for r in failed]
         if finished:
             names = ", ".join(self.name_of_rank(r) for r in finished)
             sentences.append(
                 f"{names[:1].upper()}{names[1:]} ended "
                 f"{'its program' if len(finished) == 1 else 'their programs'} (no uncaught "
-                f"exception) while replica {rank} still waited in a collective: usually the "
+                f"exception: returned, or called sys.exit) while replica {rank} still waited "
+                "in a collective: usually the "
                 "replicas ran different numbers of steps or collectives (uneven input). Give "
                 "every replica the same number of batches (the same dataset length, or "
                 "drop_remainder=True) and call reduce / gather the same number of times on "
@@ -97,6 +106,22 @@ class RollCall:
             verb = "is" if len(stuck) == 1 else "are"
             sentences.append(f"Missing: {names} {verb} not responding (died or stuck).")
         return " ".join(sentences)
+
+
+def _end_notes(store: dist.Store, ranks: list[int], wait_seconds: float = 10.0
+               ) -> dict[int, str]:
+    """How each of `ranks` ended, where that was written (`world_lib.ENDED_KEY`: "raised
+    KeyError: 'x'", "exited with code 3"; empty: exit code 0). Where a launcher records
+    exit codes (`world_lib.ENDS_RECORDED_KEY`), a replica that announced its end is given
+    `wait_seconds` for its launcher to write its exit code."""
+    keys = {r: world_lib.ENDED_KEY.format(r) for r in ranks}
+    if store.check([world_lib.ENDS_RECORDED_KEY]):
+        deadline = time.monotonic() + wait_seconds
+        while time.monotonic() < deadline and any(
+                _finished(store, r) and not store.check([keys[r]]) for r in ranks):
+            time.sleep(0.1)
+    return {r: store.get(key).decode(errors="replace") for r, key in keys.items()
+            if store.check([key])}
 
 
 def _finished(store: dist.Store, rank: int) -> bool:

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from torchstrategy.launch import network, rendezvous
+from torchstrategy.launch import rendezvous
 from torchstrategy.launch import world as world_lib
 
 
@@ -38,6 +38,9 @@ _TERMINATE_GRACE_SECONDS = 5.0
 # How long replica 0 waits at exit for the others before it releases its end of the process
 # group, so that a replica still blocked in a collective with it fails instead of hanging.
 _EXIT_WAIT_BEFORE_RELEASE_SECONDS = 30.0
+# How long replica 0 is left to fail on its own (in a collective with a replica that ended)
+# before the supervisor interrupts it.
+_MAIN_FAILS_ALONE_SECONDS = 3.0
 
 
 def reexec_command() -> list[str]:
@@ -135,10 +138,6 @@ def listening_store(host: str, world_size: int, timeout: datetime.timedelta, por
         family, _, _, _, address = infos[0]
     except socket.gaierror:
         address = (host, port)
-    if host != "localhost" and address[0] != host and network.is_loopback(str(address[0])):
-        # A machine's own name mapped to loopback (Debian's 127.0.1.1): the other machines
-        # resolve it to the machine's address, so the store must listen there too.
-        address = ("::" if family == socket.AF_INET6 else "0.0.0.0", port)
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -166,10 +165,12 @@ def listening_store(host: str, world_size: int, timeout: datetime.timedelta, por
 
 
 def watch_parent() -> None:
-    """In a re-executed replica: exit if replica 0 has gone (portable fallback)."""
+    """In a re-executed replica: exit if replica 0 has gone (portable fallback); and an
+    uncaught exception is written in the rendezvous store (`note_uncaught_exceptions`)."""
     parent = os.environ.get(world_lib.PARENT_PID_ENV)
     if parent is None:
         return
+    note_uncaught_exceptions()
 
     def watch() -> None:
         while True:
@@ -178,6 +179,48 @@ def watch_parent() -> None:
             time.sleep(1.0)
 
     threading.Thread(target=watch, name="torchstrategy-parent-watch", daemon=True).start()
+
+
+def note_uncaught_exceptions() -> None:
+    """In a re-executed replica: an uncaught exception is written, in one line, under
+    `world_lib.ENDED_KEY` in the rendezvous store (MASTER_ADDR:MASTER_PORT), before the
+    process exits, so that the other replicas' errors and replica 0's report name it
+    rather than the closed connection it leaves them with."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException,
+             tb: TracebackType | None) -> None:
+        previous(kind, value, tb)   # the traceback first, as always
+        if not issubclass(kind, KeyboardInterrupt):
+            text = str(value).strip()
+            write_end_note(int(os.environ.get("RANK", "0")), f"raised {kind.__name__}" +
+                           (f": {text.splitlines()[0][:200]}" if text else ""))
+
+    sys.excepthook = hook
+
+
+def write_end_note(rank: int, how: str, store: dist.Store | None = None) -> None:
+    """Writes how replica `rank` ended under `world_lib.ENDED_KEY` in `store` (default: a
+    client of the store at MASTER_ADDR:MASTER_PORT); bounded to a few seconds, and
+    silent if the store is gone (nobody is left to tell)."""
+    try:
+        if store is None:
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  is_master=False, timeout=datetime.timedelta(seconds=3))
+        else:
+            store.set_timeout(datetime.timedelta(seconds=3))
+        store.set(world_lib.ENDED_KEY.format(rank), how)
+    except (RuntimeError, OSError, KeyError, ValueError):
+        pass
+
+
+def _how_code_ended(code: int) -> str:
+    """An exit code in words, as `world_lib.ENDED_KEY` holds it ("" for 0)."""
+    if code == 0:
+        return ""
+    if _interrupted(code):
+        return "was interrupted (Ctrl-C)"
+    return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
 
 
 class Supervisor:
@@ -195,6 +238,14 @@ class Supervisor:
         self.stopping = False     # we are terminating the replicas: their deaths are ours
         self.exiting = False      # replica 0's main thread is in its exit handler
         self.lock = threading.Lock()
+        self.ended: set[int] = set()  # ranks whose end is written in the store
+        if store is not None:
+            # The roll call of a replica that waited for one that ended then waits a
+            # moment for its exit code (`_record_end`).
+            try:
+                store.set(world_lib.ENDS_RECORDED_KEY, "1")
+            except (RuntimeError, OSError):
+                pass
         threading.Thread(target=self.watch, name="torchstrategy-supervisor",
                          daemon=True).start()
 
@@ -235,9 +286,11 @@ class Supervisor:
                 code = child.poll()
                 if code is None:
                     running = True
-                elif self.stopping:  # replica 0 is ending the job: not a failure
+                    continue
+                if self.stopping:  # replica 0 is ending the job: not a failure
                     return
-                elif _interrupted(code):
+                self._record_end(rank, code)
+                if _interrupted(code):
                     self._on_interrupt(rank)
                     return
                 elif code != 0:
@@ -247,16 +300,53 @@ class Supervisor:
                 return
             time.sleep(_POLL_SECONDS)
 
+    def _record_end(self, rank: int, code: int) -> None:
+        """Writes how replica `rank` ended (its exit code in words) in the store, once,
+        unless the replica wrote its uncaught exception there itself."""
+        if rank in self.ended or self.store is None:
+            return
+        self.ended.add(rank)
+        try:
+            if self.store.check([world_lib.ENDED_KEY.format(rank)]):
+                return
+        except (RuntimeError, OSError):
+            return
+        how = _how_code_ended(code)
+        try:
+            if code > 0 and self.store.check([world_lib.FINISHED_KEY.format(rank)]):
+                # It announced a normal end at exit: no exception, a SystemExit's code.
+                how = f"called sys.exit({code})"
+        except (RuntimeError, OSError):
+            pass
+        write_end_note(rank, how, self.store)
+
+    def _how_it_ended(self, rank: int, code: int) -> str:
+        """"exited with code 1 (it raised KeyError: 'x')": the exit code, and the
+        exception the replica wrote in the store, if any."""
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        try:
+            key = world_lib.ENDED_KEY.format(rank)
+            note = self.store.get(key).decode(errors="replace") \
+                if self.store is not None and self.store.check([key]) else ""
+        except (RuntimeError, OSError):
+            note = ""
+        return f"{how} (it {note})" if note.startswith(("raised", "called")) else how
+
     def _on_failure(self, rank: int, code: int) -> None:
         with self.lock:
             if self.failure is not None:
                 return
             self.failure = (rank, code)
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        print(f"torchstrategy: replica {rank} {how}; stopping all replicas.", file=sys.stderr,
-              flush=True)
+        print(f"torchstrategy: replica {rank} {self._how_it_ended(rank, code)}; stopping all "
+              "replicas.", file=sys.stderr, flush=True)
         self.terminate_all()
-        if not self.exiting:
+        # Replica 0 is usually failing already in a collective with that replica, its
+        # roll call reading how the replica ended (`_record_end`): it is given a moment to
+        # raise that error itself before it is interrupted.
+        deadline = time.monotonic() + _MAIN_FAILS_ALONE_SECONDS
+        while not (self.exiting or self.main_failed) and time.monotonic() < deadline:
+            time.sleep(_POLL_SECONDS / 2)
+        if not (self.exiting or self.main_failed):
             _thread.interrupt_main()
         time.sleep(_TERMINATE_GRACE_SECONDS * 2)
         # The main thread did not stop (blocked outside Python): end the process.
@@ -287,14 +377,16 @@ class Supervisor:
 
     def _wait_for_ending_children(self, seconds: float = _TERMINATE_GRACE_SECONDS * 2) -> None:
         """Replica 0 failed, often because a replica ended first (its program returned or
-        called sys.exit) while replica 0 waited in a collective with it: such a replica
-        announced its end in the store and is on its way out, so its exit code is waited
-        for (bounded) and, if it is not 0, becomes the job's."""
+        called sys.exit, or it raised) while replica 0 waited in a collective with it: such
+        a replica announced its end or wrote its exception in the store and is on its way
+        out, so its exit code is waited for (bounded) and, if it is not 0, becomes the
+        job's."""
         if self.store is None:
             return
         try:
             ending = [rank for rank, child in self.children.items() if child.poll() is None
-                      and self.store.check([world_lib.FINISHED_KEY.format(rank)])]
+                      and (self.store.check([world_lib.FINISHED_KEY.format(rank)]) or
+                           self.store.check([world_lib.ENDED_KEY.format(rank)]))]
         except (RuntimeError, OSError):  # the store is unusable: nothing more to learn
             return
         deadline = time.monotonic() + seconds
@@ -372,9 +464,10 @@ class Supervisor:
         if self.failure is None:
             return
         rank, code = self.failure
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        print(f"torchstrategy: replica {rank} {how}; the job exits with its code.",
-              file=sys.stderr, flush=True)
+        follows = (" Replica 0's error above follows from it: fix that replica's."
+                   if self.main_failed else "")
+        print(f"torchstrategy: replica {rank} {self._how_it_ended(rank, code)}; the job exits "
+              f"with its code.{follows}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(self.exit_code())
 

@@ -94,19 +94,61 @@ def _replica_main(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[s
         runtime.current().announce_finished()
     except BaseException as error:  # report everything, KeyboardInterrupt included
         text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        if isinstance(error, SystemExit):
+            # Not re-raised in the launcher: SystemExit(0) there would end the launching
+            # program with status 0 and no message, reporting a job that did not finish
+            # as a success.
+            name, message, payload = "SystemExit", _early_exit_message(rank, fn, error), None
+        else:
+            name, message = type(error).__name__, str(error)
+            try:
+                payload = pickle.dumps(error)
+            except Exception:
+                payload = None
+        # The other replicas, failing in a collective with this one, name it and its error.
+        _leave_note(rank, _how_it_ended(error))
         try:
-            payload = pickle.dumps(error)
-        except Exception:
-            payload = None
-        try:
-            conn.send_bytes(pickle.dumps(
-                ("error", rank, (type(error).__name__, str(error), text, payload))))
+            conn.send_bytes(pickle.dumps(("error", rank, (name, message, text, payload))))
         finally:
             sys.stderr.flush()
             os._exit(1)
     finally:
         runtime.current().release_process_group()
     conn.close()
+
+
+def _how_it_ended(error: BaseException) -> str:
+    """One line for the other replicas' errors: "called sys.exit(3)", "raised KeyError:
+    'x'"."""
+    if isinstance(error, SystemExit):
+        return f"called sys.exit({error.code!r})"
+    if isinstance(error, KeyboardInterrupt):
+        return "was interrupted (Ctrl-C)"
+    text = str(error).strip()
+    return f"raised {type(error).__name__}" + (f": {text.splitlines()[0][:200]}" if text else "")
+
+
+def _early_exit_message(rank: int, fn: Callable[..., Any], error: SystemExit) -> str:
+    name = getattr(fn, "__qualname__", repr(fn))
+    return (f"ts.launch: replica {rank} ended early: it called sys.exit({error.code!r}) "
+            f"inside {name}() instead of returning, so the other replicas lost it in the "
+            "middle of their work and the job did not finish. A replica that ends before its "
+            "function returns is a failure, whatever its exit code. Return from the function "
+            "instead (every replica after the same number of steps), or raise an exception "
+            "to stop the job.")
+
+
+def _leave_note(rank: int, how: str) -> None:
+    """Writes how this replica ended in the rendezvous store (`world_lib.ENDED_KEY`),
+    bounded to a few seconds; nothing without a store."""
+    store = runtime.current().rendezvous_store()
+    if store is None:
+        return
+    try:
+        store.set_timeout(datetime.timedelta(seconds=3))
+        store.set(world_lib.ENDED_KEY.format(rank), how)
+    except (RuntimeError, OSError):  # the store's host is gone: nobody left to tell
+        pass
 
 
 def _check_picklable(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
@@ -140,6 +182,8 @@ def _raise_replica_error(rank: int, info: tuple[str, str, str, bytes | None]) ->
         except Exception:
             error = None
     remote = RemoteTraceback(f"\n\nReplica {rank} raised:\n\n{text}")
+    if name == "SystemExit":
+        raise ReplicaFailed(message) from remote
     if isinstance(error, BaseException):
         raise error from remote
     raise RuntimeError(f"Replica {rank} raised {name}: {message}") from remote

@@ -31,6 +31,13 @@ DEFAULT_TIMEOUT_SECONDS = 1800.0
 # without an uncaught exception (`Runtime.announce_finished`; read by the roll call after a
 # failed collective, and by re-execution's supervisor).
 FINISHED_KEY = "torchstrategy/finished/{}"
+# The key under which how replica N ended, when it failed, is written in one line ("raised
+# KeyError: 'x'", "exited with code 3"): by the replica itself (an uncaught exception) or by
+# the launcher that saw its exit code; read by the roll call, so that the other replicas'
+# errors name it. `ENDS_RECORDED_KEY` is set when a launcher records exit codes (the roll
+# call then waits a moment for the note of a replica that ended).
+ENDED_KEY = "torchstrategy/ended/{}"
+ENDS_RECORDED_KEY = "torchstrategy/ends-recorded"
 # torchrun's variables that describe a worker's place in the world (torch's
 # torch.distributed.elastic agent sets them all; the ROLE_ ones equal the global ones with
 # the single role torchrun knows).
