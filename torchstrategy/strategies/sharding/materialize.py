@@ -138,15 +138,58 @@ def materialize(roots: Sequence[nn.Module], device: torch.device,
     with torch.no_grad():
         for root in roots:
             root.to_empty(device=device)
-            for module in root.modules():
+            for name, module in root.named_modules():
                 if _own_tensors(module):
-                    _initialise_sharded(module, device, init_fn)
+                    _initialise_sharded(name, module, device, init_fn)
 
 
-def _initialise_sharded(module: nn.Module, device: torch.device,
+def _mark_unset(tensor: torch.Tensor) -> None:
+    """Fills `tensor` with a value no initialisation leaves everywhere (NaN; an integer
+    type's largest value), so that `_left_unset` can tell what was not written."""
+    if tensor.numel() == 0 or tensor.dtype == torch.bool or tensor.is_complex():
+        return
+    if tensor.is_floating_point():
+        tensor.fill_(float("nan"))
+    else:
+        tensor.fill_(torch.iinfo(tensor.dtype).max)
+
+
+def _left_unset(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`, marked by `_mark_unset` before the initialisation, was left
+    (wholly or partly, for floating point) as marked."""
+    if tensor.numel() == 0 or tensor.dtype == torch.bool or tensor.is_complex():
+        return False
+    if tensor.is_floating_point():
+        return bool(torch.isnan(tensor).any())
+    return bool((tensor == torch.iinfo(tensor.dtype).max).all())
+
+
+def _refuse_unset(module_name: str, module: nn.Module, unset: list[str],
+                  init_fn: InitFn | None) -> None:
+    what = "init_fn" if init_fn is not None else \
+        f"{type(module).__name__}.reset_parameters()"
+    names = ", ".join(f"'{module_name}.{n}'" if module_name else f"'{n}'" for n in unset)
+    raise ValueError(
+        f"ShardedStrategy: the model was built on the meta device, so its values are "
+        f"created after sharding by {what}, which left {names} of "
+        f"{_module_name(module_name, module)} unset: on meta, __init__ computed nothing, "
+        f"and {'it' if len(unset) == 1 else 'they'} would hold uninitialised memory, "
+        "different on each replica. Set every parameter and buffer of the module in "
+        f"{'init_fn' if init_fn is not None else 'reset_parameters()'} (a buffer computed "
+        "in __init__, such as a rotary table, computed there too), or build the model "
+        "without torch.device('meta').")
+
+
+def _initialise_sharded(module_name: str, module: nn.Module, device: torch.device,
                         init_fn: InitFn | None) -> None:
     """Initialises `module`'s own parameters as full tensors, then keeps each replica's
-    slice; its buffers (never sharded) are initialised in place."""
+    slice; its buffers (never sharded) are initialised in place.
+
+    Raises:
+      ValueError: the initialisation left a parameter or buffer (some of its elements,
+        for floating point) unwritten, naming it (the same on every replica: each runs
+        the same initialisation on the same values).
+    """
     sharded = [(name, p) for name, p in module.named_parameters(recurse=False)
                if isinstance(p, DTensor)]
     full = {name: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
@@ -157,7 +200,15 @@ def _initialise_sharded(module: nn.Module, device: torch.device,
     for name, tensor in full.items():
         setattr(module, name, tensor)
     try:
+        before = dict(_own_tensors(module))
+        for tensor in before.values():
+            _mark_unset(tensor)
         _initialise(module, init_fn)
+        # A tensor the initialisation replaced (``self.table = ...``) was set.
+        unset = [name for name, tensor in _own_tensors(module)
+                 if before.get(name) is tensor and _left_unset(tensor)]
+        if unset:
+            _refuse_unset(module_name, module, unset, init_fn)
         for name, p in sharded:
             p.to_local().copy_(_local_slice(full[name].detach(), p))
     finally:
