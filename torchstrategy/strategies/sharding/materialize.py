@@ -201,12 +201,12 @@ def _initialise_sharded(module_name: str, module: nn.Module, device: torch.devic
         setattr(module, name, tensor)
     try:
         before = dict(_own_tensors(module))
-        for tensor in before.values():
-            _mark_unset(tensor)
+        for own in before.values():
+            _mark_unset(own)
         _initialise(module, init_fn)
         # A tensor the initialisation replaced (``self.table = ...``) was set.
-        unset = [name for name, tensor in _own_tensors(module)
-                 if before.get(name) is tensor and _left_unset(tensor)]
+        unset = [name for name, own in _own_tensors(module)
+                 if before.get(name) is own and _left_unset(own)]
         if unset:
             _refuse_unset(module_name, module, unset, init_fn)
         for name, p in sharded:
