@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from torchstrategy.launch import rendezvous
+from torchstrategy.launch import network, rendezvous
 from torchstrategy.launch import world as world_lib
 
 
@@ -138,6 +138,10 @@ def listening_store(host: str, world_size: int, timeout: datetime.timedelta, por
         family, _, _, _, address = infos[0]
     except socket.gaierror:
         address = (host, port)
+    if host != "localhost" and address[0] != host and network.is_loopback(str(address[0])):
+        # A machine's own name mapped to loopback (Debian's 127.0.1.1): the other machines
+        # resolve it to the machine's address, so the store must listen there too.
+        address = ("::" if family == socket.AF_INET6 else "0.0.0.0", port)
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
