@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Set-up (idempotent), then the whole test suite. Extra arguments go to the main suite's
 # pytest (e.g. `-n 0` to run it in one process, or a path).
+#
+# The set-up is scripts/setup.sh without the xla environment: the package environment
+# (scripts/setup_env.sh) and what only the tests need (scripts/setup_tests.sh: pytest, the
+# optional dependencies, mypy, and SLURM's daemons through apt-get when run as root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
