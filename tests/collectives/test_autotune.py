@@ -2,6 +2,8 @@
 replica keeps the same cap, the cap kept is one of the candidates, and training with the
 tuner gives exactly (bit for bit) the gradients and parameters of training without it.
 No timing is asserted: which candidate wins depends on the machine."""
+import os
+
 import pytest
 import torch
 import torch.nn as nn
@@ -118,3 +120,50 @@ def test_bad_arguments_are_refused_with_the_argument_named():
         ts.BucketAutotuner(None, settle_steps=True)
     with pytest.raises(TypeError, match="strategy.extended.gradient_reducer"):
         ts.BucketAutotuner(None)
+    # Issue 36, item 11: the None ShardedStrategy gives says why there is nothing to tune.
+    with pytest.raises(TypeError, match=r"with ShardedStrategy by design \(FSDP2 "
+                                        r"reduce-scatters each sharded module's gradients"):
+        ts.BucketAutotuner(None)
+
+
+def _misused_tuners(outdir):
+    """Two tuners on one reducer (refused on every replica), then, on a second strategy's
+    reducer, a tuner made on replica 0 only (refused before the buckets change)."""
+    rank = int(os.environ["RANK"])
+    first = ts.MultiWorkerMirroredStrategy()
+    reducer = first.extended.gradient_reducer
+    ts.BucketAutotuner(reducer, candidates=CANDIDATES)
+    try:
+        ts.BucketAutotuner(reducer, candidates=CANDIDATES)
+        second_tuner = None
+    except ValueError as error:
+        second_tuner = str(error)
+    strategy = ts.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = _model()
+    if rank == 0:
+        ts.BucketAutotuner(strategy.extended.gradient_reducer, candidates=CANDIDATES)
+    try:
+        for _ in range(3):
+            strategy.run(lambda: model(torch.ones(4, 16)).sum().backward())
+        error = None
+    except Exception as caught:  # each replica's own error, written for the test
+        error = f"{type(caught).__name__}: {caught}"
+    with open(f"{outdir}/replica{rank}", "w") as f:
+        f.write(f"{second_tuner}\n{error}")
+
+
+def test_a_second_tuner_and_a_tuner_on_one_replica_only_are_refused(tmp_path):
+    # Before: the second tuner was accepted (two caps reported), and the tuner made on
+    # replica 0 only re-bucketed it alone: gloo aborted the process (SIGABRT).
+    launch(_misused_tuners, str(tmp_path), n=2)
+    for rank in range(2):
+        second_tuner, error = (tmp_path / f"replica{rank}").read_text().split("\n", 1)
+        assert "This reducer already has a BucketAutotuner (still searching)" in second_tuner
+        assert "ts.BucketAutotuner was made on replica(s) 0 but not on replica(s) 1: every " \
+               "replica must make it" in error, (rank, error)
+    # Replica 0 refused it; replica 1, left in the next all-reduce, names replica 0's
+    # reason instead of a closed connection alone.
+    assert (tmp_path / "replica0").read_text().split("\n", 1)[1].startswith("RuntimeError")
+    assert "Replica 0 (on worker:0) failed first: it raised RuntimeError: " \
+           "ts.BucketAutotuner was made on replica(s) 0" in (tmp_path / "replica1").read_text()

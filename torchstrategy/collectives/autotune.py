@@ -19,15 +19,21 @@ docs/gradient_reduction.md).
 """
 from __future__ import annotations
 
+import datetime
+import itertools
 import logging
 import statistics
 import time
 import typing
-from typing import Sequence
+import weakref
+from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 
+from torchstrategy import runtime
 from torchstrategy.collectives.reducer import DEFAULT_FIRST_BUCKET_BYTES, GradientReducer
+from torchstrategy.launch import world as world_lib
 
 MIB = 1024 * 1024
 
@@ -35,6 +41,30 @@ MIB = 1024 * 1024
 DEFAULT_CANDIDATES: tuple[int | None, ...] = (1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, None)
 
 _log = logging.getLogger("torchstrategy.autotune")
+
+# How long a tuner about to change the buckets waits for the other replicas' tuners to have
+# signed in (they are made before training, so at the end of the first step they have).
+_SIGN_IN_SECONDS = 10.0
+# The store key by which replica {rank}'s tuner number {number} signs in.
+_SIGNED_IN_KEY = "torchstrategy/autotune/{number}/{rank}"
+
+
+def _describe_missing_reducer(reducer: Any) -> str:
+    """Why there is no `GradientReducer` to tune, for the TypeError."""
+    extended = getattr(reducer, "extended", None)
+    if extended is not None:  # a strategy was passed
+        if getattr(extended, "shards_parameters", False):
+            return (f"got {type(reducer).__name__}, which has no gradient reducer by "
+                    "design: FSDP2 reduce-scatters each sharded module's gradients itself, "
+                    "one collective per module (shard_modules= decides their sizes), so "
+                    "there is no bucket cap to tune. Leave BucketAutotuner out.")
+        return (f"got the strategy {type(reducer).__name__}; pass its reducer, "
+                "strategy.extended.gradient_reducer.")
+    return (f"got {reducer!r}. strategy.extended.gradient_reducer is None where the strategy "
+            "has no gradient reducer: with one replica (nothing is reduced, no bucket cap "
+            "to tune), and with ShardedStrategy by design (FSDP2 reduce-scatters each "
+            "sharded module's gradients itself; shard_modules= decides their sizes). Leave "
+            "BucketAutotuner out there.")
 
 
 class AutotuneResult(typing.NamedTuple):
@@ -77,7 +107,12 @@ class BucketAutotuner:
         the order gradients arrive in and rebuilds the buckets).
 
     Raises:
-      TypeError / ValueError: naming the bad argument.
+      TypeError / ValueError: naming the bad argument; TypeError where there is no
+        reducer (one replica, ShardedStrategy), saying why; ValueError for a second tuner
+        on one reducer.
+      RuntimeError: (from the backward that would first change the buckets) when a
+        replica did not make its tuner: refused there, and the reason is named in the
+        other replicas' failing all-reduce.
     """
 
     def __init__(self, reducer: GradientReducer, candidates: Sequence[int | None] =
@@ -97,11 +132,26 @@ class BucketAutotuner:
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r}.")
         if not isinstance(reducer, GradientReducer):
-            raise TypeError(
-                f"reducer must be a GradientReducer (strategy.extended.gradient_reducer), "
-                f"got {reducer!r}. With one replica the strategy has no reducer and there "
-                "is no bucket size to tune.")
+            raise TypeError("reducer must be a GradientReducer (strategy.extended."
+                            f"gradient_reducer): {_describe_missing_reducer(reducer)}")
+        tuners: weakref.WeakKeyDictionary[GradientReducer, BucketAutotuner] = \
+            runtime.current().state("torchstrategy.autotune.tuners",
+                                    weakref.WeakKeyDictionary)
+        first = tuners.get(reducer)
+        if first is not None:
+            state = "still searching" if first.result is None else \
+                f"it kept {first.result.bucket_cap_bytes} bytes"
+            raise ValueError(
+                f"This reducer already has a BucketAutotuner ({state}); a second one would "
+                "re-bucket it against the first, and each would report its own cap. Keep "
+                "one tuner per reducer (read its `result`).")
+        tuners[reducer] = self
         self._reducer = reducer
+        # Every replica must re-bucket alike: each tuner signs in at the rendezvous store
+        # and, before it first changes the buckets, checks that every replica's did.
+        self._number = next(runtime.current().state("torchstrategy.autotune.count",
+                                                     itertools.count))
+        self._sign_in()
         self._candidates = candidates
         self._per_candidate = steps_per_candidate
         self._settle = settle_steps
@@ -132,6 +182,50 @@ class BucketAutotuner:
         """The choice and the timings behind it; None while searching."""
         return self._result
 
+    def _store(self) -> dist.Store | None:
+        return runtime.current().rendezvous_store() \
+            if self._reducer.communicator.world_size > 1 else None
+
+    def _sign_in(self) -> None:
+        store = self._store()
+        if store is not None:
+            store.set(_SIGNED_IN_KEY.format(number=self._number,
+                                            rank=self._reducer.communicator.rank), "here")
+
+    def _check_every_replica_tunes(self) -> None:
+        """Before the buckets first change: every replica made this tuner (the N-th of
+        its process), else this replica refuses, naming those that did not (one that
+        re-bucketed alone would send buckets of other sizes than its peers', which gloo
+        answers by aborting the process). The reason is written in the store, where the
+        other replicas' failing collective reads it (`roll_call`)."""
+        store = self._store()
+        if store is None:
+            return
+        comm = self._reducer.communicator
+        keys = {r: _SIGNED_IN_KEY.format(number=self._number, rank=r)
+                for r in range(comm.world_size)}
+        deadline = time.monotonic() + _SIGN_IN_SECONDS
+        while True:
+            missing = [r for r, key in keys.items() if not store.check([key])]
+            if not missing or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+        if not missing:
+            return
+        made = [r for r in keys if r not in missing]
+        message = (f"ts.BucketAutotuner was made on replica(s) {', '.join(map(str, made))} "
+                   f"but not on replica(s) {', '.join(map(str, missing))}: every replica "
+                   "must make it (with the same arguments, before training), because the "
+                   "tuner changes the gradient buckets, and replicas with different buckets "
+                   "cannot all-reduce together. Make the tuner on every replica, not under "
+                   "`if replica_id == 0`.")
+        try:
+            store.set_timeout(datetime.timedelta(seconds=3))
+            store.set(world_lib.ENDED_KEY.format(comm.rank), f"raised RuntimeError: {message}")
+        except (RuntimeError, OSError):
+            pass
+        raise RuntimeError(message)
+
     def _cap_of(self, candidate: int | None) -> tuple[int, int]:
         """(bucket cap, first bucket cap) for a candidate."""
         if candidate is not None:
@@ -155,6 +249,8 @@ class BucketAutotuner:
                 self._times[index].append(now - self._last)
         if k >= 0 and k % span == 0:
             index = k // span
+            if index == 0:
+                self._check_every_replica_tunes()
             if index < len(self._candidates):
                 self._reducer.rebucket(*self._cap_of(self._candidates[index]))
             else:
