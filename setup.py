@@ -42,7 +42,7 @@ def _extension():
         return CUDAExtension("torchstrategy._C", cpp + cuda,
                              define_macros=[("TORCHSTRATEGY_WITH_CUDA", "1")],
                              extra_compile_args={"cxx": cxx_flags,
-                                                 "nvcc": ["-O3", "--use_fast_math"]})
+                                                 "nvcc": ["-O3"]})
     return CppExtension("torchstrategy._C", cpp, extra_compile_args={"cxx": cxx_flags})
 
 

@@ -66,7 +66,9 @@ try:
         info["device_count"] = torch.cuda.device_count()
         info["capability"] = "%d.%d" % torch.cuda.get_device_capability(0)
         try:
-            info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+            version = torch.cuda.nccl.version()
+            info["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) \
+                else str(version)
         except Exception as error:
             info["nccl"] = "unavailable: %s" % error
     from torch.utils.cpp_extension import CUDA_HOME
@@ -192,6 +194,10 @@ def plan(args: argparse.Namespace, probe: dict, out: str) -> list[Part]:
               "'torchstrategy::' + op, 'CUDA') for op in ('pack', 'unpack')]; "
               "print('CUDA kernels registered:', ok); assert all(ok)"],
              timeout_s=60, needs_cuda=True),
+        Part("bench-kernels", "pack+unpack against device-to-device copy and torch's "
+             "flatten+scale+split; compression kernels against copy.",
+             bench + ["kernels", "--device", "cuda", "--json", at("bench-kernels.json")]
+             + scale, timeout_s=90, needs_cuda=True),
         Part("tests", "tests/gpu (kernels, MirroredStrategy, compression, mixed precision, "
              "ShardedStrategy, Lightning, TPUStrategy on CUDA) and the suite's other CUDA "
              "cases; without CUDA only their CPU references run and the CUDA cases are "
@@ -200,16 +206,6 @@ def plan(args: argparse.Namespace, probe: dict, out: str) -> list[Part]:
              + ([t for t in args.tests.split(",") if t] or
                 ["tests/gpu", *SUITE_CUDA_TESTS, "--ignore", SCRIPT_TESTS]),
              timeout_s=270),
-        Part("memcheck", "compute-sanitizer memcheck over the CUDA kernel tests "
-             "(out-of-bounds and misaligned accesses in pack/unpack).",
-             [sanitizer, "--tool", "memcheck", "--error-exitcode", "1", "--target-processes",
-              "all"] + pytest + ["--junitxml", at("memcheck.xml"),
-                                 "tests/gpu/test_kernels.py", "-k", "cuda and not edge"],
-             timeout_s=150, needs_cuda=True),
-        Part("bench-kernels", "pack+unpack against device-to-device copy and torch's "
-             "flatten+scale+split; compression kernels against copy.",
-             bench + ["kernels", "--device", "cuda", "--json", at("bench-kernels.json")]
-             + scale, timeout_s=90, needs_cuda=True),
         Part("bench-mirrored", "ResNet-50- and GPT-2-small-shaped steps: MirroredStrategy "
              "against DDP and a plain loop (world 1), step time and peak memory.",
              bench + ["mirrored", "--device", "cuda", "--json", at("bench-mirrored.json")]
@@ -218,6 +214,14 @@ def plan(args: argparse.Namespace, probe: dict, out: str) -> list[Part]:
              "hand-written FSDP2 loop (world 1), step time and peak memory.",
              bench + ["sharded", "--device", "cuda", "--json", at("bench-sharded.json")]
              + scale, timeout_s=120, needs_cuda=True),
+        Part("memcheck", "compute-sanitizer memcheck over the CUDA kernel tests "
+             "(out-of-bounds and misaligned accesses in pack/unpack).",
+             # Without the caching allocator every tensor is its own allocation, so an
+             # access past a tensor's end is outside any allocation, which memcheck sees.
+             ["env", "PYTORCH_NO_CUDA_MEMORY_CACHING=1", sanitizer, "--tool", "memcheck",
+              "--error-exitcode", "1", "--target-processes", "all"] + pytest
+             + ["--junitxml", at("memcheck.xml"), "tests/gpu/test_kernels.py", "-k", "cuda"],
+             timeout_s=150, needs_cuda=True),
         Part("bench-cpu", "The benchmarks' code paths at tiny sizes on the CPU (no figure "
              "there is a GPU figure); run only without CUDA.",
              bench + ["all", "--kinds", args.cpu_bench_kinds, "--device", "cpu", "--tiny",
@@ -265,6 +269,9 @@ def child_environment(args: argparse.Namespace, probe: dict) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])
     if args.no_cuda:
         env["CUDA_VISIBLE_DEVICES"] = ""
+    elif probe.get("cuda_available"):
+        # The tests' CPU cases ran in CI: on the GPU the time goes to the CUDA ones.
+        env["TORCHSTRATEGY_GPU_CHECK_CUDA_ONLY"] = "1"
     return env
 
 

@@ -13,11 +13,8 @@ import torch
 
 from torchstrategy import _ops
 from tests.collectives.test_compression_ef import _quantize_reference
+from tests.gpu.devices import DEVICES
 
-NO_CUDA = "needs a CUDA GPU (torch.cuda.is_available() is False here)"
-DEVICES = [pytest.param("cpu", id="cpu"),
-           pytest.param("cuda", id="cuda",
-                        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA))]
 FLOATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 REFERENCE = torch.ops.torchstrategy
 # 1 and 3 elements, a tail that fills no 16-byte pack, and one tensor over three of the CUDA

@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from tests.gpu.test_strategies_cuda import DEVICES, TIMEOUT, assert_states, environment
+from tests.gpu.devices import DEVICES
+from tests.gpu.test_strategies_cuda import TIMEOUT, assert_states, environment
 from tests.helpers import ROOT
 
 SCRIPT = os.path.join(ROOT, "tests", "gpu", "lightning_run.py")

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tests.gpu import cases
-from tests.gpu.test_strategies_cuda import DEVICES, assert_states, environment
+from tests.gpu.devices import DEVICES
+from tests.gpu.test_strategies_cuda import assert_states, environment
 from tests.helpers.replicas import launch
 
 

@@ -16,14 +16,11 @@ import pytest
 import torch
 
 from tests.gpu import cases
+from tests.gpu.devices import CUDA_ONLY, DEVICES, needs_cuda
 from tests.helpers import ROOT
 from tests.helpers.lightning_runs import clean_env
 from tests.helpers.replicas import launch
 
-NO_CUDA = "needs a CUDA GPU (torch.cuda.is_available() is False here)"
-DEVICES = [pytest.param("cpu", id="cpu"),
-           pytest.param("cuda", id="cuda",
-                        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA))]
 TIMEOUT = 180
 
 
@@ -138,11 +135,10 @@ def _replicas(device):
     return min(2, torch.cuda.device_count()) if device == "cuda" else 2
 
 
-@pytest.mark.parametrize("device,kind", [
-    pytest.param("cpu", "int8", id="cpu-int8"),
-    *[pytest.param("cuda", kind, id=f"cuda-{kind}", marks=pytest.mark.skipif(
-        not torch.cuda.is_available(), reason=NO_CUDA)) for kind in ("bf16", "int8",
-                                                                      "powersgd")]])
+@pytest.mark.parametrize("device,kind", (
+    [] if CUDA_ONLY else [pytest.param("cpu", "int8", id="cpu-int8")]) + [
+    pytest.param("cuda", kind, id=f"cuda-{kind}", marks=needs_cuda)
+    for kind in ("bf16", "int8", "powersgd")])
 def test_compression_over_nccl_equals_compression_over_gloo(device, kind, monkeypatch):
     for name, value in environment(device).items():
         monkeypatch.setenv(name, value)

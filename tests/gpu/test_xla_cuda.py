@@ -10,12 +10,13 @@ import sys
 import pytest
 import torch
 
+from tests.gpu.devices import NO_CUDA
 from tests.gpu.test_strategies_cuda import TIMEOUT, assert_states, environment
 from tests.helpers import ROOT
 
 REASON = None
 if not torch.cuda.is_available():
-    REASON = "needs a CUDA GPU (torch.cuda.is_available() is False here)"
+    REASON = NO_CUDA
 elif importlib.util.find_spec("torch_xla") is None:
     REASON = (f"torch_xla is not installed in {sys.executable} (torch {torch.__version__}): "
               "TPUStrategy on XLA's CUDA device needs a CUDA build of torch_xla for this torch")
