@@ -11,29 +11,43 @@ cd "$(dirname "$0")/.."
 SKIP_XLA=1 bash scripts/setup.sh
 
 # The xla environment (~7 GB of wheels, mostly download and disk) is installed in the
-# background while the main suite keeps the CPUs busy; its output goes to a log, printed if
-# it fails. It starts after the main set-up, which it would otherwise slow down (the same
-# network, and the extension's compilation). SKIP_XLA=1 skips it and its suite.
-xla_setup=""
-xla_log=build/xla-setup.log
-stop_xla_setup() {
-  if [ -n "$xla_setup" ] && kill -0 "$xla_setup" 2>/dev/null; then
-    kill -- "-$xla_setup" 2>/dev/null || true   # its own process group: pip included
+# background while the main suite keeps the CPUs busy, and TPUStrategy's suite (4 XLA:CPU
+# devices) runs there as soon as it is: beside the main suite, at a lower priority (nice),
+# so that its minutes fill the moments the main suite's tests wait on their processes
+# instead of adding to the run's length. Both write to logs, printed at the end. It starts
+# after the main set-up, which it would otherwise slow down (the same network, and the
+# extension's compilation). SKIP_XLA=1 skips it and its suite.
+# Bound every collective in both suites: a bug fails fast instead of hanging CI.
+export TORCHSTRATEGY_TIMEOUT_SECONDS=${TORCHSTRATEGY_TIMEOUT_SECONDS:-120}
+xla_job=""
+xla_setup_log=build/xla-setup.log
+xla_tests_log=build/xla-tests.log
+xla_status_file=build/xla-status
+stop_xla_job() {
+  if [ -n "$xla_job" ] && kill -0 "$xla_job" 2>/dev/null; then
+    kill -- "-$xla_job" 2>/dev/null || true   # its own process group: pip, pytest included
   fi
 }
 if [ "${SKIP_XLA:-0}" != 1 ]; then
   mkdir -p build
-  setsid bash scripts/setup_xla.sh > "$xla_log" 2>&1 &
-  xla_setup=$!
-  trap stop_xla_setup EXIT
-  trap 'exit 130' INT TERM   # Ctrl-C or a CI's cancel: the EXIT trap stops the set-up too
+  rm -f "$xla_status_file" "$xla_tests_log"
+  # The job records "setup N" or "tests N": which part ended it, and how.
+  setsid bash -c '
+    bash scripts/setup_xla.sh > "$1" 2>&1 || { echo "setup $?" > "$3"; exit 0; }
+    status=0
+    PYTHONUNBUFFERED=1 PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 nice -n 10 \
+      .venv-xla/bin/python -m pytest -q -p no:cacheprovider --durations=15 tests/xla \
+      > "$2" 2>&1 || status=$?
+    echo "tests $status" > "$3"
+  ' xla-job "$xla_setup_log" "$xla_tests_log" "$xla_status_file" &
+  xla_job=$!
+  trap stop_xla_job EXIT
+  trap 'exit 130' INT TERM   # Ctrl-C or a CI's cancel: the EXIT trap stops the job too
 fi
 
 export PYTHONUNBUFFERED=1
 # Types first: a wrong annotation fails the run before the slow suite starts.
 .venv/bin/python -m mypy torchstrategy
-# Bound every collective in the suite: a bug fails fast instead of hanging CI.
-export TORCHSTRATEGY_TIMEOUT_SECONDS=${TORCHSTRATEGY_TIMEOUT_SECONDS:-120}
 # Two workers (pytest-xdist): most tests wait on the processes they start. Each test file
 # stays on one worker (--dist loadfile): module fixtures start their processes once.
 # The slowest 15 tests are listed at the end. TEST_WORKERS=N changes the number of workers.
@@ -41,19 +55,18 @@ main_status=0
 .venv/bin/python -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile --durations=15 "$@" \
   || main_status=$?
 
-# TPUStrategy's suite, in the xla environment on 4 XLA:CPU devices (after the main suite).
-if [ -n "$xla_setup" ]; then
-  xla_status=0
-  wait "$xla_setup" || xla_status=$?
-  xla_setup=""
-  if [ "$xla_status" != 0 ]; then
-    cat "$xla_log" >&2
+# TPUStrategy's suite, in the xla environment on 4 XLA:CPU devices: waited for, then shown.
+if [ -n "$xla_job" ]; then
+  wait "$xla_job" || true
+  xla_job=""
+  read -r xla_part xla_status < "$xla_status_file" || { xla_part=setup; xla_status=1; }
+  if [ "$xla_part" = setup ]; then
+    cat "$xla_setup_log" >&2
     echo "scripts/setup_xla.sh failed (exit $xla_status); its output is above." >&2
     exit "$xla_status"
   fi
-  xla_tests=0
-  PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 .venv-xla/bin/python -m pytest -q --durations=15 tests/xla \
-    || xla_tests=$?
-  [ "$main_status" != 0 ] || main_status=$xla_tests
+  echo "--- TPUStrategy's suite (tests/xla, in .venv-xla, run beside the main suite) ---"
+  cat "$xla_tests_log"
+  [ "$main_status" != 0 ] || main_status=$xla_status
 fi
 exit "$main_status"
