@@ -1,8 +1,9 @@
 """Applying docs/porting_from_ddp.md's diffs to the fixture programs, and running programs
 under torchrun, for tests/porting/test_guide_diffs.py and test_real_programs.py.
 
-The guide's diffs are ordinary unified diffs (``--- a/NAME``, ``+++ b/NAME``, ``@@`` hunks)
-against the files of this directory. They are applied strictly: every hunk must start at
+The guide's diffs are ordinary unified diffs (``--- a/PATH``, ``+++ b/PATH``, ``@@`` hunks):
+PATH is a file of this repository (``tests/porting/programs/...``), or, for the DDP
+tutorial, `UPSTREAM_TUTORIAL` in a pytorch/examples checkout (test_upstream_tutorial.py). They are applied strictly: every hunk must start at
 its stated line, its context and removed lines must match the file exactly, and its line
 counts must match its header, so a guide that drifts from the programs fails its test.
 """
@@ -21,6 +22,8 @@ import torch
 PROGRAMS = Path(__file__).resolve().parent
 REPOSITORY = PROGRAMS.parents[2]
 GUIDE = REPOSITORY / "docs" / "porting_from_ddp.md"
+# The guide's first diff is against this file of pytorch/examples, as published.
+UPSTREAM_TUTORIAL = "distributed/ddp-tutorial-series/multigpu_torchrun.py"
 RUN_TIMEOUT_SECONDS = 300
 # The variables torchrun sets: a test process must not hand its own to the launched world.
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -110,10 +113,11 @@ def apply_diff(original: str, diff: FileDiff) -> str:
 
 
 def ported_program(name: str, directory: Path) -> Path:
-    """The fixture `name` with the guide's diff for it applied, written into `directory`."""
+    """The program `name` of this repository (its path from the repository's root) with the
+    guide's diff for it applied, written into `directory` under its file name."""
     (diff,) = [d for d in guide_diffs() if d.name == name]
-    path = directory / name
-    path.write_text(apply_diff((PROGRAMS / name).read_text(), diff))
+    path = directory / Path(name).name
+    path.write_text(apply_diff((REPOSITORY / name).read_text(), diff))
     return path
 
 

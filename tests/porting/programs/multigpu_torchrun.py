@@ -1,7 +1,7 @@
 """The shape of PyTorch's DDP tutorial program (``multigpu_torchrun.py``), small, on CPU or GPU.
 
-A fixture for tests/porting: docs/porting_from_ddp.md's diff is applied to this file as it
-is. Kept from the tutorial: the Trainer with its snapshot (saved by rank 0, resumed from
+A fixture for tests/porting/test_guide_diffs.py: multigpu_torchrun_ported.py is its port, with
+the changes docs/porting_from_ddp.md makes to the tutorial itself. Kept from the tutorial: the Trainer with its snapshot (saved by rank 0, resumed from
 when present, mapped to this process's device on load), the DistributedSampler, the
 ``[GPU..]`` progress line and torchrun's launch. Changed so that it runs on CPUs: gloo
 without a GPU, and the device follows from LOCAL_RANK only where there are GPUs. The
