@@ -49,11 +49,14 @@ export PYTHONUNBUFFERED=1
 # Types first: a wrong annotation fails the run before the slow suite starts.
 .venv/bin/python -m mypy torchstrategy
 # Two workers (pytest-xdist): most tests wait on the processes they start. Each test file
-# stays on one worker (--dist loadfile): module fixtures start their processes once.
+# stays on one worker (--dist loadfile): module fixtures start their processes once. The
+# longest files start first (tests/file_order.py: the last run's durations, else
+# tests/file_durations.json), an order --no-loadscope-reorder keeps (xdist's own puts the
+# files with most tests first, and a long one-test file could then end the run alone).
 # The slowest 15 tests are listed at the end. TEST_WORKERS=N changes the number of workers.
 main_status=0
-.venv/bin/python -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile --durations=15 "$@" \
-  || main_status=$?
+.venv/bin/python -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
+  --durations=15 "$@" || main_status=$?
 
 # TPUStrategy's suite, in the xla environment on 4 XLA:CPU devices: waited for, then shown.
 if [ -n "$xla_job" ]; then
