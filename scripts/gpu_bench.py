@@ -51,6 +51,7 @@ import torchstrategy as ts  # noqa: E402
 from torchstrategy import _ops  # noqa: E402
 
 KINDS = ("kernels", "mirrored", "sharded")
+MODELS = ("resnet50", "gpt2")
 
 
 # -- measuring -----------------------------------------------------------------------------
@@ -223,6 +224,8 @@ class ResNet(nn.Module):
 def model_specs(tiny: bool) -> dict[str, tuple[Callable[[], nn.Module], Callable[..., Any],
                                                 str]]:
     """{name: (make the model, make a batch on a device, description)}."""
+    gpt: dict[str, Any]
+    resnet: dict[str, Any]
     if tiny:
         gpt = dict(vocab=512, context=64, d=64, heads=4, layers=1)
         resnet = dict(base=8, classes=10, blocks=(1, 1, 1, 1))
@@ -243,9 +246,9 @@ def model_specs(tiny: bool) -> dict[str, tuple[Callable[[], nn.Module], Callable
         return (torch.randn(b, 3, s, s, generator=g).to(device),
                 torch.randint(0, classes, (b,), generator=g).to(device))
 
-    return {"resnet50": (lambda: ResNet(**resnet), resnet_batch,  # type: ignore[arg-type]
+    return {"resnet50": (lambda: ResNet(**resnet), resnet_batch,
                          f"ResNet-50-shaped, batch {res_bs[0]} of {res_bs[1]}x{res_bs[1]}"),
-            "gpt2": (lambda: GPT(**gpt), gpt_batch,  # type: ignore[arg-type]
+            "gpt2": (lambda: GPT(**gpt), gpt_batch,
                      f"GPT-2-small-shaped, batch {gpt_bt[0]}x{gpt_bt[1]} tokens")}
 
 
@@ -353,14 +356,20 @@ def bench_kernels(device: torch.device, tiny: bool, rounds: int, reps: int) -> d
 
 
 # -- MirroredStrategy against DDP and a plain loop ----------------------------------------
-def bench_mirrored(device: torch.device, tiny: bool, rounds: int, reps: int) -> dict[str, Any]:
+def bench_mirrored(device: torch.device, tiny: bool, rounds: int, reps: int,
+                   models: list[str]) -> dict[str, Any]:
+    """`models` in this process, one after the other (several models in one strategy share
+    its gradient reducer: run_separately gives each model a process of its own)."""
     strategy = ts.MirroredStrategy() if device.type == "cuda" else \
         ts.MirroredStrategy(devices=["cpu:0"])
     here = strategy.extended.torch_device
-    assert here.type == device.type, f"MirroredStrategy() picked {here}, not {device}"
+    assert here is not None and here.type == device.type, \
+        f"MirroredStrategy() picked {here}, not {device}"
     figures: list[dict[str, Any]] = []
     details: dict[str, Any] = {"strategy": repr(strategy)}
     for name, (make, batch, description) in model_specs(tiny).items():
+        if name not in models:
+            continue
         inputs, targets = batch(here)
 
         def plain() -> Callable[[], Any]:
@@ -425,13 +434,15 @@ def bench_sharded(device: torch.device, tiny: bool, rounds: int, reps: int) -> d
         ts.ShardedStrategy(devices=["cpu:0"])
     ext = strategy.extended
     here = ext.torch_device
+    assert here is not None and here.type == device.type, \
+        f"ShardedStrategy() picked {here}, not {device}"
     make, batch, description = model_specs(tiny)["gpt2"]
     inputs, targets = batch(here)
 
     def by_hand() -> Callable[[], Any]:
         torch.manual_seed(0)
         model = make().to(here)
-        for block in model.blocks:
+        for block in model.blocks:  # type: ignore[union-attr]
             fully_shard(block, mesh=ext.mesh)
         fully_shard(model, mesh=ext.mesh)
         return make_step(model, optimizer_for(model), inputs, targets)
@@ -488,6 +499,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (8)")
     parser.add_argument("--reps", type=int, default=None, help="calls per side per round (3)")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--model", choices=MODELS,
+                        help="with mirrored: this model only, in this process (default: each "
+                        "model in a process of its own)")
     parser.add_argument("--kinds", default=",".join(KINDS),
                         help="with all: the kinds to run (comma-separated)")
     args = parser.parse_args(argv)
@@ -504,6 +518,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def run_in_process(command: list[str], out: str) -> dict[str, Any] | None:
+    """Runs this script with `command` (its --json is `out`) and returns what it wrote, or
+    None if it failed."""
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), *command, "--json", out],
+                          cwd=ROOT)
+    if done.returncode != 0 or not os.path.exists(out):
+        return None
+    with open(out, encoding="utf-8") as f:
+        result = json.load(f)
+    os.remove(out)
+    return result
+
+
+def mirrored_separately(args: argparse.Namespace) -> dict[str, Any]:
+    """Each model of the mirrored benchmark in a process (and a strategy) of its own."""
+    merged: dict[str, Any] = {"figures": [], "details": {}, "failed": []}
+    for model in MODELS:
+        out = f"{args.json or os.path.join(ROOT, 'build', 'gpu_bench')}.{model}.json"
+        result = run_in_process(
+            ["mirrored", "--model", model, "--device", args.device, "--rounds",
+             str(args.rounds), "--reps", str(args.reps)] + (["--tiny"] if args.tiny else []),
+            out)
+        if result is None:
+            merged["failed"].append(model)
+            continue
+        merged["figures"] += result["figures"]
+        merged["details"].update(result["details"])
+    return merged
+
+
 def run_all(args: argparse.Namespace) -> dict[str, Any]:
     """Each kind with a strategy in its own process (one strategy per process), the kernels
     in this one; the results merged."""
@@ -518,16 +563,14 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
             merged["details"][kind] = result["details"]
             continue
         out = f"{args.json or os.path.join(ROOT, 'build', 'gpu_bench')}.{kind}.json"
-        command = [sys.executable, os.path.abspath(__file__), kind, "--device", args.device,
-                   "--rounds", str(args.rounds), "--reps", str(args.reps), "--json", out] + \
-            (["--tiny"] if args.tiny else [])
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        if subprocess.run(command, cwd=ROOT).returncode != 0 or not os.path.exists(out):
+        ran = run_in_process([kind, "--device", args.device, "--rounds", str(args.rounds),
+                              "--reps", str(args.reps)] + (["--tiny"] if args.tiny else []),
+                             out)
+        if ran is None or ran.get("failed"):
             merged["failed"].append(kind)
+        if ran is None:
             continue
-        with open(out, encoding="utf-8") as f:
-            result = json.load(f)
-        os.remove(out)
+        result = ran
         merged["figures"] += [dict(f, name=f"{kind}: {f['name']}") for f in result["figures"]]
         merged["details"][kind] = result["details"]
     return merged
@@ -540,9 +583,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     if args.kind == "all":
         result = run_all(args)
+    elif args.kind == "mirrored" and args.model is None:
+        result = mirrored_separately(args)
+    elif args.kind == "mirrored":
+        result = bench_mirrored(device, args.tiny, args.rounds, args.reps, [args.model])
     else:
-        bench = {"kernels": bench_kernels, "mirrored": bench_mirrored,
-                 "sharded": bench_sharded}[args.kind]
+        bench = {"kernels": bench_kernels, "sharded": bench_sharded}[args.kind]
         result = bench(device, args.tiny, args.rounds, args.reps)
     result.update(kind=args.kind, device=device_name(device), torch=torch.__version__,
                   date=datetime.datetime.now(datetime.timezone.utc).strftime(
