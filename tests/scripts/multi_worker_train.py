@@ -11,7 +11,12 @@ MODE:
               sums through the hierarchical op; records the strategy's facts.
   backup      training with ts.BackupAndRestore (dropout, a shuffling DataLoader, the seed
               differing between attempts); with KILL_AT_STEP set, the replica of rank
-              $KILL_RANK SIGKILLs itself at that global step on the first attempt.
+              $KILL_RANK SIGKILLs itself at that global step on the first attempt. Replica 0
+              writes the global step reached to OUTDIR/progress after each step; each step
+              ends with a sleep of $STEP_SLEEP seconds (default 0).
+  sharded     ShardedStrategy with hybrid sharding (shard within this machine's replicas,
+              replicate across machines) trains tests/sharded's MLP like one device
+              (within $ATOL, default 1e-5); records the placements and the mesh.
   peer_death  the replica of rank 1 dies (SIGKILL) after a few steps; the others carry on.
   peer_hang   the replica of rank 1 stops taking part (sleeps) after a few steps.
 """
@@ -136,9 +141,27 @@ elif mode == "backup":
             if attempt == 0 and backup.global_step == kill_at and rank == kill_rank:
                 os.kill(os.getpid(), signal.SIGKILL)   # mid-training, no clean-up
             strategy.run(step, args=(batch,))
+            if rank == 0:   # how far training got (the network-fault tests cut a link then)
+                with open(os.path.join(outdir, "progress"), "w") as f:
+                    f.write(str(backup.global_step))
+            time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
     save({"final": {k: v.detach().clone() for k, v in model.state_dict().items()},
           "attempt": attempt, "restored": backup.restored,
           "backup_left": os.path.exists(backup.path)}, strategy)
+
+elif mode == "sharded":
+    # Hybrid sharding across the machines: shard within a machine (its 2 replicas),
+    # replicate across machines. check_equal_to_one_device asserts the losses and the
+    # exported weights against one device on every replica.
+    from tests.sharded.test_sharded import check_equal_to_one_device
+
+    strategy = ts.ShardedStrategy(devices=devices, shard_group_size=len(devices or [0, 0]))
+    model, _, _ = check_equal_to_one_device(strategy, "mlp",
+                                            atol=float(os.environ.get("ATOL", "1e-5")))
+    parameter = next(model.parameters())
+    save({"placements": [type(p).__name__ for p in parameter.placements],
+          "mesh": parameter.device_mesh.mesh.tolist(),
+          "replicas": strategy.num_replicas_in_sync}, strategy)
 
 elif mode in ("peer_death", "peer_hang"):
     strategy = ts.MultiWorkerMirroredStrategy(devices=devices)

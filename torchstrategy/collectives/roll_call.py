@@ -15,6 +15,7 @@ touched only after a failure (and once at a replica's exit).
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from typing import Callable
 
@@ -24,6 +25,8 @@ from torchstrategy import runtime
 from torchstrategy.launch import world as world_lib
 
 DEFAULT_WAIT_SECONDS = 3.0
+# How long past `wait_seconds` a roll call waits for the store to answer at all.
+_STORE_GRACE_SECONDS = 5.0
 
 
 class RollCall:
@@ -65,6 +68,31 @@ class RollCall:
             return None
 
     def describe_missing(self, rank: int) -> str:
+        """`_describe_missing`, bounded: the store's host may be unreachable (its machine's
+        link down), where each store operation would wait for TCP to give up (many
+        minutes). After `wait_seconds` plus a few seconds without an answer, it says the
+        machine of replica 0, which hosts the store, is unreachable from this one."""
+        answer: list[str] = []
+
+        def ask() -> None:
+            try:
+                answer.append(self._describe_missing(rank))
+            except (RuntimeError, OSError):  # the store failed: said below
+                pass
+
+        # A daemon thread, so the caller's error is raised on time; one left blocked on the
+        # unreachable store's socket ends with the process, which is failing anyway.
+        thread = threading.Thread(target=ask, name="torchstrategy-roll-call", daemon=True)
+        thread.start()
+        thread.join(self.wait_seconds + _STORE_GRACE_SECONDS)
+        if answer:
+            return answer[0]
+        return (f"The rendezvous store did not answer within "
+                f"{self.wait_seconds + _STORE_GRACE_SECONDS:g} s: {self.name_of_rank(0)}, "
+                "whose machine hosts it, is unreachable from this one (its machine or the "
+                "network link between the machines is down) or gone.")
+
+    def _describe_missing(self, rank: int) -> str:
         """One or two sentences for an error message naming the missing replicas (see
         `missing_replicas`): those that ended their program (usually: the replicas ran
         different numbers of steps) and those that died or are stuck, e.g. "Missing:

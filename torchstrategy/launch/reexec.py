@@ -526,7 +526,8 @@ def start_local_replicas(num_replicas: int, timeout_seconds: float, *, node_rank
         children[rank] = subprocess.Popen(command, env=env, preexec_fn=set_parent_death_signal)
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(threads)
-    supervisor = Supervisor(children, store) if children else None
+    # Bounded: at exit, the store of an unreachable chief must not hold this machine.
+    supervisor = Supervisor(children, rendezvous.BoundedStore(store)) if children else None
     return world_lib.World(rank=first_rank, world_size=world_size, local_rank=0,
                            local_world_size=num_replicas, launcher="reexec",
                            master_addr=master_addr, master_port=store.port, store=store,

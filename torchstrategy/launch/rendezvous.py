@@ -129,3 +129,62 @@ def torchrun_store(world: World, timeout: datetime.timedelta) -> dist.Store | No
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = connect(world.master_addr, world.master_port, world.world_size, timeout)
     return dist.PrefixStore(f"torchstrategy/round_{attempt}/", store)
+
+
+class BoundedStore(dist.Store):
+    """A view of `store` whose every call answers within `seconds` or raises
+    RuntimeError, for bookkeeping that must not outlive its purpose (a supervisor's notes
+    at exit). torch's client honours its timeout while waiting for keys, but a request to
+    a store whose machine became unreachable (its link down) blocks until TCP gives up,
+    many minutes later. After one call timed out, every later call raises at once: the
+    store is taken for unreachable.
+
+    The calls run on daemon threads: one left blocked holds a socket until the process,
+    which is ending anyway, exits.
+    """
+
+    def __init__(self, store: dist.Store, seconds: float = 5.0) -> None:
+        super().__init__()
+        self._store = store
+        self._seconds = seconds
+        self._unreachable = False
+
+    def _call(self, name: str, *args: Any) -> Any:
+        if self._unreachable:
+            raise RuntimeError("torchstrategy: the rendezvous store did not answer before")
+        outcome: dict[str, Any] = {}
+
+        def call() -> None:
+            try:
+                outcome["value"] = getattr(self._store, name)(*args)
+            except BaseException as error:  # handed to the caller's thread
+                outcome["error"] = error
+
+        thread = threading.Thread(target=call, name="torchstrategy-store-call", daemon=True)
+        thread.start()
+        thread.join(self._seconds)
+        if "error" in outcome:
+            raise outcome["error"]
+        if "value" not in outcome:
+            self._unreachable = True
+            raise RuntimeError(f"torchstrategy: the rendezvous store did not answer within "
+                               f"{self._seconds:g} s (its machine is unreachable)")
+        return outcome["value"]
+
+    def set(self, key: str, value: Any) -> None:
+        self._call("set", key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", key)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call("check", keys)
+
+    def add(self, key: str, value: int) -> int:
+        return self._call("add", key, value)
+
+    def wait(self, *args: Any) -> None:
+        self._call("wait", *args)
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._store.set_timeout(timeout)
