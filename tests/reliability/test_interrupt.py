@@ -38,3 +38,43 @@ def test_ctrl_c_to_the_parent_of_a_reexecuted_job_is_reported_as_an_interruption
     assert "torchstrategy: interrupted (Ctrl-C); every replica was stopped." in stderr
     assert "killed by signal" not in stderr, stderr[-3000:]
     assert not any(alive(pid) for pid in pids)
+
+
+FAILING = os.path.join(SCRIPTS, "failing_replica.py")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["launch_blocked", "reexec_blocked"])
+def test_sigint_to_replica_zero_blocked_in_a_collective_ends_every_replica_at_once(
+        tmp_path, mode):
+    # Issue 36, item 5: replica 0 waits in a collective for replica 1 (asleep); `kill -INT`
+    # to replica 0 alone. Before, the KeyboardInterrupt came at the collective's timeout.
+    timeout = 200
+    process = subprocess.Popen([sys.executable, FAILING, mode, str(tmp_path)],
+                               env=plain_environment(timeout_seconds=timeout),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        pid_files = [tmp_path / f"pid{r}" for r in range(2)]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not all(p.exists() for p in pid_files):
+            time.sleep(0.1)
+        assert all(p.exists() for p in pid_files), process.communicate(timeout=5)[1][-3000:]
+        pids = [int(p.read_text()) for p in pid_files]
+        time.sleep(2)  # replica 0 is in the collective by now
+        start = time.monotonic()
+        os.kill(pids[0], signal.SIGINT)
+        _, stderr = process.communicate(timeout=timeout - 20)
+        elapsed = time.monotonic() - start
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(30)
+    assert elapsed < 60, (elapsed, stderr[-3000:])   # seconds, not the 200 s timeout
+    assert "KeyboardInterrupt" in stderr, stderr[-3000:]
+    assert "did not complete within the strategy's timeout" not in stderr
+    assert "interrupted" in stderr and "blocked in a collective" in stderr, stderr[-3000:]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in pids)

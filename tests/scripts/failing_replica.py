@@ -1,19 +1,24 @@
 """A re-executed job in which one replica fails (issue 36, items 8 and 9):
-`python failing_replica.py MODE`.
+`python failing_replica.py MODE [OUTDIR]`.
 
 MODE:
   sharded_keyerror   ShardedStrategy; replica 1 raises KeyError at its second step while
                      replica 0 goes on into FSDP2's collectives.
   init_fn_raises     ShardedStrategy(init_fn=...) on a model built on meta; the function
                      raises on replica 1 only.
+  launch_blocked     ts.launch of 2 replicas: replica 0 waits in a collective, replica 1
+                     sleeps; each writes OUTDIR/pid<rank> (the test interrupts replica 0).
+  reexec_blocked     the same, re-executed (replica 0 is this process).
 """
+import os
 import sys
+import time
 
 import torch
 
 import torchstrategy as ts
 
-mode = sys.argv[1]
+mode = sys.argv[1] if len(sys.argv) > 1 else None
 
 
 def init_fn(module):
@@ -22,23 +27,39 @@ def init_fn(module):
     module.reset_parameters()
 
 
-if mode == "sharded_keyerror":
-    strategy = ts.ShardedStrategy(devices=["cpu:0", "cpu:1"])
-    with strategy.scope():
-        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    rid = strategy.extended.replica_id
-    for step in range(4):
-        if step == 1 and rid == 1:
-            {}["learning_rate"]   # a KeyError on one replica
-        strategy.run(lambda: model(torch.ones(4, 8)).sum().backward())
-        optimizer.step()
-        optimizer.zero_grad()
-elif mode == "init_fn_raises":
-    strategy = ts.ShardedStrategy(devices=["cpu:0", "cpu:1"], init_fn=init_fn)
-    with strategy.scope():
-        with torch.device("meta"):
+def blocked(outdir, devices=None):
+    strategy = ts.MirroredStrategy(devices=devices)
+    rank = strategy.extended.replica_id
+    with open(os.path.join(outdir, f"pid{rank}.part"), "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(os.path.join(outdir, f"pid{rank}.part"), os.path.join(outdir, f"pid{rank}"))
+    if rank == 1:
+        time.sleep(300)
+    strategy.reduce("SUM", torch.ones(2))
+
+
+if __name__ == "__main__":
+    if mode == "launch_blocked":
+        ts.launch(blocked, sys.argv[2], num_replicas=2)
+    elif mode == "reexec_blocked":
+        blocked(sys.argv[2], devices=["cpu:0", "cpu:1"])
+    elif mode == "sharded_keyerror":
+        strategy = ts.ShardedStrategy(devices=["cpu:0", "cpu:1"])
+        with strategy.scope():
             model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
-    strategy.run(lambda: model(torch.ones(4, 8)).sum().backward())
-else:
-    raise SystemExit(f"unknown mode {mode!r}")
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        rid = strategy.extended.replica_id
+        for step in range(4):
+            if step == 1 and rid == 1:
+                {}["learning_rate"]   # a KeyError on one replica
+            strategy.run(lambda: model(torch.ones(4, 8)).sum().backward())
+            optimizer.step()
+            optimizer.zero_grad()
+    elif mode == "init_fn_raises":
+        strategy = ts.ShardedStrategy(devices=["cpu:0", "cpu:1"], init_fn=init_fn)
+        with strategy.scope():
+            with torch.device("meta"):
+                model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+        strategy.run(lambda: model(torch.ones(4, 8)).sum().backward())
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")

@@ -24,7 +24,7 @@ import warnings
 import _thread
 import datetime
 from types import TracebackType
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,8 @@ _EXIT_WAIT_BEFORE_RELEASE_SECONDS = 30.0
 # How long replica 0 is left to fail on its own (in a collective with a replica that ended)
 # before the supervisor interrupts it.
 _MAIN_FAILS_ALONE_SECONDS = 3.0
+# How long the main thread has to take a SIGINT before it is deemed blocked outside Python.
+_INTERRUPT_GRACE_SECONDS = 2.0
 
 
 def reexec_command() -> list[str]:
@@ -175,6 +177,8 @@ def watch_parent() -> None:
     if parent is None:
         return
     note_uncaught_exceptions()
+    # Ctrl-C while blocked in a collective: exit as interrupted; the supervisor stops all.
+    on_blocked_interrupt(lambda: os._exit(128 + signal.SIGINT))
 
     def watch() -> None:
         while True:
@@ -183,6 +187,52 @@ def watch_parent() -> None:
             time.sleep(1.0)
 
     threading.Thread(target=watch, name="torchstrategy-parent-watch", daemon=True).start()
+
+
+def on_blocked_interrupt(action: Callable[[], None],
+                         grace_seconds: float = _INTERRUPT_GRACE_SECONDS) -> None:
+    """Calls `action()` from a watcher thread when SIGINT (Ctrl-C, ``kill -INT``) reached
+    this process and its main thread did not take it within `grace_seconds`: it is blocked
+    outside Python (in a collective waiting for another replica), where the
+    KeyboardInterrupt would be raised only when the call returns, at the collective's
+    timeout. `action` ends that wait (stops the peers, or ends this process).
+
+    Python's own handling is kept: the handler installed here notes that the signal was
+    taken, then raises KeyboardInterrupt as Python's default does. Nothing is installed
+    outside the main thread, where the program has a SIGINT handler of its own, or where a
+    wakeup descriptor is set already (an event loop's)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    if signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False) != -1:
+        signal.set_wakeup_fd(-1)
+        os.close(read_fd)
+        os.close(write_fd)
+        return
+    taken = threading.Event()
+
+    def handler(signum: int, frame: Any) -> None:
+        taken.set()
+        signal.default_int_handler(signum, frame)   # raises KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+
+    def watch() -> None:
+        while True:
+            try:
+                received = os.read(read_fd, 64)   # the numbers of the signals caught
+            except OSError:
+                return
+            if signal.SIGINT in received:
+                if not taken.wait(grace_seconds) and \
+                        signal.getsignal(signal.SIGINT) is handler:
+                    action()
+                taken.clear()
+
+    threading.Thread(target=watch, name="torchstrategy-interrupt-watch",
+                     daemon=True).start()
 
 
 def note_uncaught_exceptions() -> None:
@@ -252,6 +302,16 @@ class Supervisor:
                 pass
         threading.Thread(target=self.watch, name="torchstrategy-supervisor",
                          daemon=True).start()
+        on_blocked_interrupt(self._interrupted_while_blocked)
+
+    def _interrupted_while_blocked(self) -> None:
+        """SIGINT reached replica 0 while it is blocked in a collective: the other replicas
+        are stopped, which ends that collective, and the KeyboardInterrupt is raised."""
+        with self.lock:
+            self.interrupted = True
+        print("torchstrategy: replica 0 was interrupted (Ctrl-C) while blocked in a "
+              "collective; stopping every replica.", file=sys.stderr, flush=True)
+        self.terminate_all()
 
     def install_excepthook(self) -> None:
         """Notes an uncaught exception in replica 0, so that `at_exit` reports the replica

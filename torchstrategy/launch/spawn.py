@@ -80,6 +80,19 @@ def _replica_main(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[s
                   launcher_temp_dir: str | None) -> None:
     # A killed ts.launch leaves no replica behind, nor its /tmp/pymp-* directory.
     reexec.die_with_parent(launcher_pid, launcher_temp_dir)
+
+    def interrupted_while_blocked() -> None:
+        # SIGINT to this replica alone, while it waits in a collective: reported now (the
+        # launcher then stops every replica), not at the collective's timeout.
+        message = (f"ts.launch: replica {rank} was interrupted (SIGINT) while blocked in a "
+                   "collective; every replica was stopped.")
+        try:
+            conn.send_bytes(pickle.dumps(("error", rank, (
+                "KeyboardInterrupt", message, message, pickle.dumps(KeyboardInterrupt(message))))))
+        finally:
+            os._exit(128 + signal.SIGINT)
+
+    reexec.on_blocked_interrupt(interrupted_while_blocked)
     os.environ.update(world_lib.replica_environment(rank, num_replicas, port, "launch",
                                                     timeout))
     torch.set_num_threads(world_lib.threads_per_replica(num_replicas))
