@@ -1,7 +1,8 @@
 """Recording what a strategy's scope creates: parameters, buffers and variables.
 
-Inside ``strategy.scope()`` every parameter and buffer registered on any ``nn.Module`` is
-recorded as mirrored, through torch's global module registration hooks. Nothing is wrapped
+Inside ``strategy.scope()`` every parameter, buffer and submodule registered on any
+``nn.Module`` is recorded by the active strategy, through torch's global module registration
+hooks; `MirroredState` is what a strategy that mirrors them keeps. Nothing is wrapped
 or replaced: the user's modules and their ``state_dict()`` keys stay exactly as they are.
 """
 import weakref
@@ -37,15 +38,25 @@ def _on_buffer(module: torch.nn.Module, name: str, buffer: torch.Tensor | None) 
     return None
 
 
+def _on_submodule(parent: torch.nn.Module, name: str, submodule: torch.nn.Module | None
+                  ) -> None:
+    strategy = _capturing_strategy()
+    if strategy is not None and submodule is not None:
+        strategy.extended.record_submodule(parent, submodule)
+    return None
+
+
 def _install_hooks() -> None:
     nn_module.register_module_parameter_registration_hook(_on_parameter)
     nn_module.register_module_buffer_registration_hook(_on_buffer)
+    nn_module.register_module_module_registration_hook(_on_submodule)
 
 
 def install_capture() -> None:
     """Installs torch's global registration hooks once per process (on the first
     ``scope()``, never at import); outside a scope they are cheap no-ops. Each records into
-    the active strategy's ``extended.record_parameter`` / ``record_buffer``."""
+    the active strategy's ``extended.record_parameter`` / ``record_buffer`` /
+    ``record_submodule``."""
     runtime.current().install_once("module-registration-hooks", _install_hooks)
 
 

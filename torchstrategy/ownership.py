@@ -4,8 +4,9 @@ they were built, and a one-time check that ``run`` trains only what the strategy
 - `live_strategy()`: the strategy whose ``scope()`` was entered last in this process. Loss
   scaling outside ``strategy.run`` (a DDP-style loop) asks it how many replicas the next
   ``backward()`` sums over, instead of assuming the default strategy's one.
-- `adopt(strategy, module, optimizer)`: ``strategy.adopt``. A module built outside the
-  scope gets what creating it inside would have given: its parameters and buffers are
+- `replay_scope(strategy, module, optimizer)`: ``strategy.adopt`` of a strategy whose
+  parameters are mirrored. A module built outside the scope gets what creating it inside
+  would have given: its parameters and buffers are
   recorded by the strategy (placed on its device, broadcast from replica 0 after the
   replicas compared their layouts, handed to the gradient reducer), the optimizer's state
   is broadcast too, and Parameters, buffers and submodules registered on it later
@@ -72,11 +73,12 @@ def check_adopt_arguments(module: torch.nn.Module,
                            "program's set-up, where the model is built).")
 
 
-def adopt(strategy: context.AnyStrategy, module: torch.nn.Module,
-          optimizer: torch.optim.Optimizer | None = None) -> torch.nn.Module:
-    """Brings `module` (built outside ``strategy.scope()``) and `optimizer` under
-    `strategy`, with the guarantees of creating them inside the scope; returns `module`
-    itself (nothing is wrapped: ``state_dict()`` keys are unchanged).
+def replay_scope(strategy: context.AnyStrategy, module: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | None = None) -> torch.nn.Module:
+    """Replays for `module` (built outside ``strategy.scope()``) what the scope would have
+    recorded, and brings `optimizer`'s state along: the guarantees of creating them inside
+    the scope; returns `module` itself (nothing is wrapped: ``state_dict()`` keys are
+    unchanged).
 
     Every replica must call it at the same point with the same module layout: it is a
     collective (a layout check, then a broadcast from replica 0).
@@ -175,7 +177,7 @@ def _after_registration(ext: Any) -> None:
     # registers the same tensors at the same point). Inside the scope, its exit does it;
     # inside run, the next run's start.
     if not context.in_run() and context.active_non_default_strategy() is None:
-        ext.synchronize_mirrored_state()
+        ext.settle_recorded_state()
 
 
 def _on_parameter(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None

@@ -2,14 +2,16 @@
 with every part of the library that takes a strategy, though no line of the library names
 it.
 
-`ZeroOneStrategy` is ZeRO-1 data parallelism: parameters are mirrored and gradients summed
-as under MirroredStrategy (it reuses `SPMDExtended`), but each replica keeps the optimizer
-state of only its slice of the parameters, steps that slice and broadcasts it. It differs
-from every strategy of the library in its capabilities: its optimizer state is partitioned,
-so its checkpoints go through the contract's `state_dict_for_checkpoint` /
-`load_state_dict_from_checkpoint` (which gather the full state, laid out as one process's
-optimizer would lay it out), and a Trainer's optimizers are partitioned through
-`prepare_trainer_optimizer`.
+`ZeroOneStrategy` is ZeRO-1 data parallelism, written as a third parameter handling (the
+library has `MirroredParameters` and `ShardedParameters`): parameters are mirrored and
+gradients summed as under MirroredStrategy (`ZeroOneParameters` extends
+`MirroredParameters`), but each replica keeps the optimizer state of only its slice of the
+parameters, steps that slice and broadcasts it. It differs from every strategy of the
+library in its capabilities (``Capabilities(converts_checkpoint_state=True)``): its
+optimizer state is partitioned, so its checkpoints go through the contract's
+`state_dict_for_checkpoint` / `load_state_dict_from_checkpoint` (which gather the full
+state, laid out as one process's optimizer would lay it out), and a Trainer's optimizers
+are partitioned through `prepare_trainer_optimizer`.
 
 One launch of two replicas checks, in order: ``strategy.adopt``, ``ts.compute_average_loss``
 outside ``run`` (the global batch size found by a collective), ``ts.metrics.sync``,
@@ -28,8 +30,9 @@ import torch.nn.functional as F
 
 import torchstrategy as ts
 from tests.helpers.replicas import assert_same_tensors, detached_state, launch
-from torchstrategy.strategies.spmd import SPMDExtended
-from torchstrategy.strategies.startup import start_replica_process
+from torchstrategy.strategies.capabilities import Capabilities
+from torchstrategy.strategies.data_parallel import DataParallelStrategy
+from torchstrategy.strategies.parameters import MirroredParameters
 
 N = 2                 # replicas
 B = 8                 # global batch
@@ -51,14 +54,18 @@ class _Partition:
     owners: list
 
 
-class ZeroOneExtended(SPMDExtended):
-    """Mirrored parameters, summed gradients (`SPMDExtended`); optimizer state partitioned:
-    parameter i (counted over all groups) is stepped by replica ``i % N``, which then
-    broadcasts it."""
+class ZeroOneParameters(MirroredParameters):
+    """Mirrored parameters, summed gradients (`MirroredParameters`); optimizer state
+    partitioned: parameter i (counted over all groups) is stepped by replica ``i % N``,
+    which then broadcasts it."""
 
     @property
-    def converts_checkpoint_state(self):
-        return True  # an optimizer's own state_dict() holds this replica's slice only
+    def replica_id(self):
+        return self.extended.replica_id
+
+    @property
+    def num_replicas_in_sync(self):
+        return self.extended.num_replicas_in_sync
 
     def adopt(self, module, optimizer=None):
         module = super().adopt(module, optimizer)
@@ -143,13 +150,15 @@ class ZeroOneExtended(SPMDExtended):
         obj.load_state_dict({"state": state, "param_groups": groups})
 
 
-class ZeroOneStrategy(ts.Strategy):
+class ZeroOneStrategy(DataParallelStrategy):
     """ZeRO-1 over one replica per process (under ``ts.launch`` or torchrun)."""
 
+    # An optimizer's own state_dict() holds this replica's slice only.
+    CAPABILITIES = Capabilities(converts_checkpoint_state=True)
+
     def __init__(self, devices=None):
-        process = start_replica_process(devices=devices, timeout_seconds=60,
-                                        cross_device_ops=ts.NcclAllReduce())
-        super().__init__(ZeroOneExtended(self, process.communicator, process.torch_device))
+        super().__init__(lambda process: ZeroOneParameters(), devices=devices,
+                         timeout_seconds=60, cross_device_ops=ts.NcclAllReduce())
 
 
 # -- the model, the data and the single-process reference -------------------------------

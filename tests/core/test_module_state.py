@@ -129,7 +129,7 @@ def test_a_new_module_with_a_dead_modules_id_is_recorded(strategy):
     # Its buffer is a new one and recorded as such (an (id(module), name) key was taken as
     # already recorded, and the buffer was neither broadcast nor averaged).
     assert strategy.extended.variable_created_in_scope(second.count)
-    assert any(b is second.count for b in strategy.extended._mirrored.buffers())
+    assert any(b is second.count for b in strategy.extended.parameters.recorded.buffers())
 
 
 def test_a_new_tensor_with_a_dead_variables_id_is_not_that_variable(strategy):

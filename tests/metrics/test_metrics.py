@@ -3,7 +3,7 @@ cross-replica context gives the value over every replica's rows, as TensorFlow's
 ``metric.update_state`` in the step and ``metric.result()`` outside do.
 
 MirroredStrategy runs as 2 real processes (one launch); MultiWorkerMirroredStrategy builds
-the same `SPMDExtended` over the same default process group, so `sync` takes the same path
+the same `DataParallelExtended` over the same default process group, so `sync` takes the same path
 for it (not launched again). CentralStorageStrategy runs its 2 replicas
 as threads of this process. TPUStrategy is documented, not tested here (torchmetrics is not
 in the torch_xla environment).

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 import torchstrategy as ts
 from torchstrategy.collectives.communicator import Communicator
-from torchstrategy.strategies.spmd import SPMDExtended
+from torchstrategy.strategies.data_parallel import DataParallelExtended
+from torchstrategy.strategies.parameters import ParameterHandling
 from tests.helpers.replicas import detached_state, from_every_replica, launch
 
 N = 2
@@ -284,16 +285,17 @@ def test_accumulate_and_scale_mean_loss_refuse_bad_input():
 
 
 class _RecordsItsOwnWay(ts.Strategy):
-    """An SPMD strategy whose scope records parameters its own way (as the parameter-server
-    and sharded strategies do): adoption must refuse rather than guess."""
+    """A data-parallel strategy whose parameter handling records parameters its own way (as
+    the parameter-server strategy does): adoption must refuse rather than guess."""
 
     def __init__(self):
         comm = Communicator(None, 0, 1, torch.device("cpu"), ts.NcclAllReduce())
 
-        class Extended(SPMDExtended):
-            records_in_scope = False  # the scope records parameters its own way
-
+        class OwnRecording(ParameterHandling):
             def record_parameter(self, module, name, param):
+                pass  # the scope records parameters its own way
+
+            def settle(self):
                 pass
 
-        super().__init__(Extended(self, comm, None))
+        super().__init__(DataParallelExtended(self, comm, None, OwnRecording()))

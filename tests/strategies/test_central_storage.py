@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchstrategy as ts
-from torchstrategy.strategies import central_reads
+from torchstrategy.strategies import replica_copies
 from tests.helpers.replicas import assert_same_tensors, detached_state
 from tests.core.test_equivalence import (REFERENCE_SEED, VARIANTS, l2_term, make_data, make_model,
                                    single_device_training)
@@ -85,7 +85,7 @@ def test_training_matches_single_device(num_replicas, references):
 def test_training_with_copied_parameters_matches_single_device(references, monkeypatch):
     """The path of compute devices other than the parameter device (GPUs): each replica
     reads a copy of the parameters made when run starts, refreshed after the update."""
-    monkeypatch.setattr(central_reads.RunSession, "share_parameter_storage", False)
+    monkeypatch.setattr(replica_copies.RunSession, "share_parameter_storage", False)
     for variant in ("sgd", "adam"):
         model, _, losses, _ = central_training(cpu_strategy(2), variant)
         torch.testing.assert_close(torch.tensor(losses),

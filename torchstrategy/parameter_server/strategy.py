@@ -35,7 +35,8 @@ from torchstrategy.parameter_server import (optimizers, partitioners, ps_store, 
 from torchstrategy.parameter_server.variables import PSVariable, ShardedVariable
 from torchstrategy.reduce_op import ReduceOp, as_reduce_op
 from torchstrategy.strategies.base import MetricSync, Strategy
-from torchstrategy.strategies.spmd import CommunicatorReplicaExtended
+from torchstrategy.strategies.capabilities import Capabilities
+from torchstrategy.strategies.process_replica import ProcessReplicaExtended
 from torchstrategy.variables import Variable
 
 
@@ -44,19 +45,19 @@ def _next_strategy_id() -> int:
     return next(runtime.current().state("parameter_server.strategy_ids", itertools.count))
 
 
-class ParameterServerStrategyExtended(CommunicatorReplicaExtended):
+class ParameterServerStrategyExtended(ProcessReplicaExtended):
     """The parts of `ParameterServerStrategy` most programs do not need.
 
     The user's program runs on the chief, a world of one replica (inside a scheduled
     function: the worker's one replica), so running, collectives (``gather``,
     ``ReplicaContext.all_reduce`` through a `Communicator` of one process) and input are
-    `CommunicatorReplicaExtended`'s; to feed the workers use
+    `ProcessReplicaExtended`'s; to feed the workers use
     `ClusterCoordinator.create_per_worker_dataset`. Nothing is mirrored: there is no
     gradient reducer, buffers are not synchronised (StrategyExtended's defaults), and
     ``adopt`` is refused. What differs is where parameters live:
     parameters registered on modules inside the scope (`record_parameter`) are placed on
     the parameter servers when the scope exits and before each ``run``
-    (`synchronize_mirrored_state`); ``ts.Variable`` made in the scope is placed at once
+    (`settle_recorded_state`); ``ts.Variable`` made in the scope is placed at once
     (`create_variable`). Buffers stay on the chief's modules and travel with them.
 
     Args:
@@ -121,11 +122,6 @@ class ParameterServerStrategyExtended(CommunicatorReplicaExtended):
         """The strategy's `ClusterCoordinator`, or None before one was made."""
         return self._coordinator
 
-    @property
-    def one_replica_per_process(self) -> bool:
-        """False: the workers run closures the chief schedules, not the program."""
-        return False
-
     def metric_sync(self) -> MetricSync:
         """Refused: a metric cannot follow the replicas of a parameter-server cluster."""
         raise NotImplementedError(
@@ -146,7 +142,7 @@ class ParameterServerStrategyExtended(CommunicatorReplicaExtended):
                                axis: int | None) -> Any:
         """With one replica per step, reducing across replicas returns `value` itself (any
         structure, tensors or not: results of scheduled functions need not be tensors, so
-        unlike `CommunicatorReplicaExtended` nothing is converted, copied or refused); with
+        unlike `ProcessReplicaExtended` nothing is converted, copied or refused); with
         `axis`, each tensor is reduced along it."""
         op = as_reduce_op(reduce_op)
         if axis is None:
@@ -178,7 +174,11 @@ class ParameterServerStrategyExtended(CommunicatorReplicaExtended):
         (placed at once), and `check_variable`, which ``ts.Variable`` calls before this,
         refuses every other kind."""
 
-    def synchronize_mirrored_state(self) -> None:
+    def recorded_in_scope(self, tensor: torch.Tensor) -> bool:
+        """True for a parameter registered in the scope and placed on the servers."""
+        return tensor in self._layouts
+
+    def settle_recorded_state(self) -> None:
         """Places the parameters registered in the scope on the parameter servers (at scope
         exit, and before ``run``)."""
         with self._lock:
@@ -390,6 +390,10 @@ class ParameterServerStrategy(Strategy):
       ValueError: the cluster has no chief, worker or ps, or this task is not the chief.
       TimeoutError: naming the tasks that did not start in time.
     """
+
+    #: The workers run closures the chief schedules, not the program: a loop that runs
+    #: once per process (Lightning's) cannot drive it.
+    CAPABILITIES = Capabilities(one_replica_per_process=False)
 
     def __init__(self, cluster_resolver: ClusterResolver,
                  variable_partitioner: Callable[..., Any] | None = None,

@@ -17,11 +17,13 @@ import logging
 import numbers
 import threading
 import warnings
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, Sequence
+from typing import (Any, Callable, ClassVar, ContextManager, Iterable, Iterator, Mapping,
+                    Sequence)
 
 import torch
 
 from torchstrategy import _compat, context, mirroring, nest, values
+from torchstrategy.strategies.capabilities import Capabilities
 from torchstrategy import ownership
 from torchstrategy.cluster_resolver import ClusterResolver
 from torchstrategy.collectives.communicator import Communicator
@@ -52,26 +54,23 @@ class StrategyExtended(abc.ABC):
     `torch_device` (None where nothing is placed), `communicator` (collectives among this
     process's peers: ``all_reduce``, ``broadcast_``, ``broadcast_object``, ``barrier``).
 
-    The library asks a strategy questions only through the methods and properties here,
-    each with a default that fits a strategy of one replica per process: `shards_parameters`,
-    `converts_checkpoint_state`, `state_dict_for_checkpoint` /
-    `load_state_dict_from_checkpoint` (checkpoints), `replicas_are_threads`,
-    `one_replica_per_process`, `metric_sync` (``ts.metrics.sync``), `adopt`,
-    `backward_replicas_outside_run`, `prepare_trainer_module` / `prepare_trainer_optimizer`
-    / `broadcast_buffers` (a training loop the strategy does not run, Lightning's), and
-    the class method `Strategy.build_for_trainer`. It never tests a strategy's class.
-    """
+    The library asks a strategy questions only through the methods and properties here:
+    what it is (`capabilities`, one frozen `Capabilities` record, stated by the strategy
+    class), `state_dict_for_checkpoint` / `load_state_dict_from_checkpoint` (checkpoints),
+    `metric_sync` (``ts.metrics.sync``), `adopt`, `backward_replicas_outside_run`,
+    `prepare_trainer_module` / `prepare_trainer_optimizer` / `broadcast_buffers` (a
+    training loop the strategy does not run, Lightning's), and the class method
+    `Strategy.build_for_trainer`. It never tests a strategy's class.
 
-    #: True where ``run`` traces the whole global batch at once (TPUStrategy): loss scaling
-    #: then divides by the global batch without multiplying by the replica count.
-    traces_global_batch = False
+    The members group as: facts; running; cross-replica reductions and replica-context
+    collectives; the scope (recording, and `settle_recorded_state`, the one moment what
+    was recorded becomes consistent across replicas); variables (TF's ``extended`` API);
+    input; capabilities and the hooks of loops and checkpoints the strategy does not run.
+    """
 
     def __init__(self, container: Strategy) -> None:
         self._container = container
         self._scope_depth = threading.local()
-        # What the scope recorded (the default `record_*` methods below); strategies that
-        # keep their state elsewhere (ParameterServerStrategy) override those methods.
-        self._mirrored = mirroring.MirroredState()
         # The ts.Variables made under this strategy, found by their tensor (weak: a
         # variable's entry goes when the variable does); see `created_variable`.
         self._variables = VariablesByTensor()
@@ -180,32 +179,41 @@ class StrategyExtended(abc.ABC):
                            options: CommunicationOptions | None = None) -> Any:
         """``ReplicaContext.all_gather``: the values of every replica along `axis`."""
 
-    # -- the scope: placement and mirrored state -------------------------------------------
+    # -- the scope: placement, recording, and the moment it settles -----------------------
     def scope_placement(self) -> ContextManager[Any]:
         """A context manager active inside ``scope()`` (e.g. the default device)."""
         return contextlib.nullcontext()
 
+    @abc.abstractmethod
     def record_parameter(self, module: torch.nn.Module, name: str,
                          param: torch.nn.Parameter) -> None:
-        """Called for every parameter registered on a module inside the scope; by default
-        recorded in ``self._mirrored``, labelled ``Module.name`` for error messages."""
-        self._mirrored.add_parameter(param, f"{type(module).__name__}.{name}")
-
-    def record_buffer(self, module: torch.nn.Module, name: str) -> None:
-        """Called for every buffer registered on a module inside the scope (by default
-        recorded in ``self._mirrored``)."""
-        self._mirrored.add_buffer(module, name)
-
-    def record_variable(self, variable: Variable) -> None:
-        """Called for every ``ts.Variable`` created inside the scope (by default its tensor
-        is recorded in ``self._mirrored``, as a parameter when trainable)."""
-        self._mirrored.add_tensor(variable.tensor, variable.trainable,
-                                  f"Variable {variable.name!r}")
+        """Called for every parameter registered on a module inside the scope (and on a
+        module adopted by ``strategy.adopt``)."""
 
     @abc.abstractmethod
-    def synchronize_mirrored_state(self) -> None:
-        """Makes what the scope recorded identical on every replica (replica 0's values)
-        and ready for training; called at scope exit and before each ``run``."""
+    def record_buffer(self, module: torch.nn.Module, name: str) -> None:
+        """Called for every buffer registered on a module inside the scope."""
+
+    @abc.abstractmethod
+    def record_variable(self, variable: Variable) -> None:
+        """Called for every ``ts.Variable`` created inside the scope."""
+
+    def record_submodule(self, parent: torch.nn.Module, child: torch.nn.Module) -> None:
+        """Called for every module attached to another inside the scope (nothing by
+        default; ShardedStrategy finds each model's root through it)."""
+
+    @abc.abstractmethod
+    def recorded_in_scope(self, tensor: torch.Tensor) -> bool:
+        """True for a parameter or buffer this strategy recorded (or made from one)."""
+
+    @abc.abstractmethod
+    def settle_recorded_state(self) -> None:
+        """The one moment what was recorded since the last call becomes consistent across
+        the replicas (replica 0's values; ShardedStrategy shards its models here) and ready
+        for training. ``scope()`` calls it when the outermost scope exits; ``run``,
+        ``adopt``, a Trainer's set-up and a strategy's own checkpoint methods call it first
+        for what a scope still open holds. Every replica calls it at the same points; it
+        communicates only when something was recorded."""
 
     # -- variables ---------------------------------------------------------------------
     def create_variable(self, *args: Any, **kwargs: Any) -> Variable | None:
@@ -240,7 +248,7 @@ class StrategyExtended(abc.ABC):
             return known is v or tensor is v
         if not isinstance(v, torch.Tensor):
             return False
-        return self._mirrored.is_parameter(v) or any(b is v for b in self._mirrored.buffers())
+        return self.recorded_in_scope(v)
 
     def value_container(self, value: Any) -> Any:
         """The container `value` belongs to: the ``ts.Variable`` whose tensor `value` is, or
@@ -368,12 +376,6 @@ class StrategyExtended(abc.ABC):
         devices (TPUStrategy copies XLA tensors to the host); identity by default."""
         return obj
 
-    @property
-    def shards_parameters(self) -> bool:
-        """True when each replica holds only a shard of the parameters created in scope
-        (ShardedStrategy): checkpoints then go through `state_dict_for_checkpoint`."""
-        return False
-
     def state_dict_for_checkpoint(self, obj: Any, model: torch.nn.Module | None = None) -> Any:
         """What a single-file checkpoint (`BackupAndRestore`, Lightning's) stores for `obj`.
 
@@ -390,37 +392,46 @@ class StrategyExtended(abc.ABC):
         """
         obj.load_state_dict(state_dict)
 
-    @property
-    def converts_checkpoint_state(self) -> bool:
-        """True when `state_dict_for_checkpoint` / `load_state_dict_from_checkpoint` do more
-        than ``state_dict()`` / ``load_state_dict()`` (gather shards, merge a partitioned
-        optimizer state): a checkpoint writer with a path of its own for plain state
-        (Lightning's) then goes through them. By default `shards_parameters`."""
-        return self.shards_parameters
-
     # -- capabilities: what the library asks of a strategy ----------------------------------
     @property
-    def replicas_are_threads(self) -> bool:
-        """True when this process runs its replicas as threads sharing the user's objects
-        (CentralStorageStrategy): a shared object updated inside ``run`` (a metric) is then
-        updated by several threads at once. False by default."""
-        return False
+    def capabilities(self) -> Capabilities:
+        """What this strategy is (`Capabilities`), as its class states it
+        (``Strategy.CAPABILITIES``): the one answer the library reads."""
+        return self._container.CAPABILITIES
 
+    # The record's fields, read where the library asks one question (loss scaling, the
+    # Lightning adapter): the same answer, never a second one.
     @property
     def one_replica_per_process(self) -> bool:
-        """True when every process of the job runs exactly one replica, with its own copy
-        of the program (the default strategy, OneDeviceStrategy, the mirrored and sharded
-        strategies): a training loop that runs once per process (Lightning's) can then
-        drive the strategy. False where one process runs several replicas (threads, one
-        XLA program) or the replicas run closures (parameter servers)."""
-        return True
+        """``capabilities.one_replica_per_process``."""
+        return self.capabilities.one_replica_per_process
+
+    @property
+    def replicas_are_threads(self) -> bool:
+        """``capabilities.replicas_are_threads``."""
+        return self.capabilities.replicas_are_threads
+
+    @property
+    def traces_global_batch(self) -> bool:
+        """``capabilities.traces_global_batch``."""
+        return self.capabilities.traces_global_batch
+
+    @property
+    def shards_parameters(self) -> bool:
+        """``capabilities.shards_parameters``."""
+        return self.capabilities.shards_parameters
+
+    @property
+    def converts_checkpoint_state(self) -> bool:
+        """``capabilities.converts_checkpoint_state``."""
+        return self.capabilities.converts_checkpoint_state
 
     def metric_sync(self) -> "MetricSync":
         """How ``ts.metrics.sync`` makes a metric updated inside ``run`` give, at
         ``compute()`` in cross-replica context, the value over every replica's rows: a
         `MetricSync`. By default the metric's states are gathered over `communicator` when
         it spans several processes, and updates are serialised when the replicas are
-        threads (`replicas_are_threads`).
+        threads (``capabilities.replicas_are_threads``).
 
         Raises:
           NotImplementedError: a strategy whose replicas cannot share a metric (saying what
@@ -429,7 +440,7 @@ class StrategyExtended(abc.ABC):
         comm = self.communicator
         spans_processes = isinstance(comm, Communicator) and comm.world_size > 1
         return MetricSync(gather_over=comm if spans_processes else None,
-                          serialize_updates=self.replicas_are_threads)
+                          serialize_updates=self.capabilities.replicas_are_threads)
 
     def prepare_trainer_module(self, module: torch.nn.Module) -> None:
         """Brings `module`, already on `torch_device`, under this strategy for a training
@@ -437,14 +448,14 @@ class StrategyExtended(abc.ABC):
         parameters are identical on every replica and ``backward()`` communicates their
         gradients as inside ``run``. Every replica calls it at the same point. By default
         every parameter and persistent buffer is recorded (as creating them inside
-        ``scope()`` would) and `synchronize_mirrored_state` broadcasts them from replica 0;
-        tensors recorded already are skipped."""
+        ``scope()`` would) and `settle_recorded_state` makes them consistent; tensors
+        recorded already are skipped."""
         for submodule in module.modules():
             for name, param in submodule.named_parameters(recurse=False):
                 self.record_parameter(submodule, name, param)
             for name, _buffer in _compat.module_persistent_buffers(submodule):
                 self.record_buffer(submodule, name)
-        self.synchronize_mirrored_state()
+        self.settle_recorded_state()
 
     def prepare_trainer_optimizer(self, optimizer: torch.optim.Optimizer,
                                   module: torch.nn.Module) -> None:
@@ -464,15 +475,8 @@ class StrategyExtended(abc.ABC):
         DistributedDataParallel does before a forward (``broadcast_buffers=True``).
         Every replica calls it at the same point; with one replica, or no buffers, it
         communicates nothing. The Lightning adapter calls it where Lightning's ``"ddp"``
-        would broadcast. By default over `communicator` when it spans several processes
-        (replicas that are threads of one process share their buffers already)."""
-        comm = self.communicator
-        if not isinstance(comm, Communicator) or comm.world_size == 1:
-            return
-        buffers = self._mirrored.floating_buffers()
-        if buffers:
-            with torch.no_grad():
-                comm.broadcast_(buffers, src=0)
+        would broadcast. Nothing by default (a strategy that mirrors buffers over processes
+        implements it)."""
 
     def stats(self) -> ReductionStats:
         """What the gradient reduction did in the last synchronised ``backward()``, as a
@@ -517,6 +521,10 @@ class Strategy:
             loss = strategy.run(train_step, args=(batch,))
             total = strategy.reduce("SUM", loss, axis=None)
     """
+
+    #: What this strategy is (`Capabilities`): stated by the class, before any instance
+    #: exists, so the table of Trainer names reads the same answer as a built strategy.
+    CAPABILITIES: ClassVar[Capabilities] = Capabilities()
 
     def __init__(self, extended: StrategyExtended) -> None:
         if not isinstance(extended, StrategyExtended):
@@ -578,7 +586,7 @@ class Strategy:
         finally:
             ext._scope_depth.value = depth
         if depth == 0 and not context.in_run():
-            ext.synchronize_mirrored_state()
+            ext.settle_recorded_state()
 
     def adopt(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
               ) -> torch.nn.Module:
@@ -596,7 +604,8 @@ class Strategy:
 
         Raises:
           NotImplementedError: a strategy that cannot adopt (create the module in scope).
-          TypeError / ValueError / RuntimeError: see `torchstrategy.ownership.adopt`.
+          TypeError / ValueError / RuntimeError: see `torchstrategy.ownership.replay_scope`
+            (the mirrored strategies; ShardedStrategy's is its handling's ``adopt``).
         """
         return self._extended.adopt(module, optimizer)
 

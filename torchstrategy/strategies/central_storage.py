@@ -3,7 +3,7 @@
 
 One process. Parameters, buffers and optimizer state live once, on the *parameter device*;
 ``strategy.run(fn)`` runs `fn` once per *compute device*, each replica in its own thread,
-reading the central parameters (see `central_reads`). Gradients are summed over replicas
+reading the central parameters (see `replica_copies`). Gradients are summed over replicas
 onto the parameter device when ``backward()`` ends, and ``optimizer.step()`` updates the
 central parameters once.
 """
@@ -13,7 +13,7 @@ from typing import Any, Callable, ContextManager, Iterable, Mapping, Sequence
 
 import torch
 
-from torchstrategy import context, nest, values
+from torchstrategy import context, mirroring, nest, values
 from torchstrategy.aggregation import VariableAggregation
 from torchstrategy.collectives.communicator import Communicator
 from torchstrategy.collectives.cross_device_ops import NcclAllReduce
@@ -24,10 +24,12 @@ from torchstrategy.input.per_host import PerHostDataset, PerHostDatasetsFromFunc
 from torchstrategy.launch import world as world_lib
 from torchstrategy.reduce_op import ReduceOp, as_reduce_op, check_mean_dtype
 from torchstrategy.replica_context import ReplicaContext, merge_arguments
-from torchstrategy.strategies import central_reads
+from torchstrategy.strategies import replica_copies
 from torchstrategy.strategies.base import MetricSync, Strategy, StrategyExtended, logger
+from torchstrategy.strategies.capabilities import Capabilities
 from torchstrategy.strategies.replica_threads import ReplicaGroup, run_replicas
-from torchstrategy.strategies.spmd import destination_device, device_guard, placement_scope
+from torchstrategy.strategies.process_replica import (destination_device, device_guard,
+                                                      placement_scope)
 from torchstrategy.variables import SyncOnReadVariable, Variable
 
 
@@ -64,10 +66,13 @@ class _ThreadCommunicator:
         self.cross_device_ops = NcclAllReduce()
         # Cross-replica code: the process holds one value, a world of one.
         self._alone = Communicator(None, 0, 1, parameter_device, self.cross_device_ops)
+        # Communicator's ``diagnose`` (who is to blame for a failed collective): the replicas
+        # are threads of this process, and a rendezvous that times out names them itself.
+        self.diagnose: Callable[[int], str] | None = None
 
     @staticmethod
-    def _replica() -> central_reads.ReplicaReads | None:
-        return central_reads.current_replica()
+    def _replica() -> replica_copies.ReplicaCopies | None:
+        return replica_copies.current_replica()
 
     @property
     def rank(self) -> int:
@@ -82,10 +87,10 @@ class _ThreadCommunicator:
         return 1 if replica is None else len(replica.session.replicas)
 
     @staticmethod
-    def _meet(replica: central_reads.ReplicaReads, what: str, value: Any,
+    def _meet(replica: replica_copies.ReplicaCopies, what: str, value: Any,
               action: Callable[[list[Any]], Any] | None,
               timeout_seconds: float | None = None) -> Any:
-        """A rendezvous of `replica` (this thread's `ReplicaReads`) with the others, waiting
+        """A rendezvous of `replica` (this thread's `ReplicaCopies`) with the others, waiting
         at most `timeout_seconds` (None: the strategy's); the action sees the central
         tensors."""
         if action is None:
@@ -169,14 +174,14 @@ class _CentralReplicaContext(ReplicaContext):
     `merge_call` runs `merge_fn` once for all replicas, as in TensorFlow.
 
     Attributes:
-      reads: the replica's `central_reads.ReplicaReads` (what
-        `central_reads.current_replica` returns while this context is the current one).
+      copies: the replica's `replica_copies.ReplicaCopies` (what
+        `replica_copies.current_replica` returns while this context is the current one).
     """
 
     def __init__(self, strategy: Strategy, replica_id: int, device: torch.device,
-                 reads: central_reads.ReplicaReads) -> None:
+                 copies: replica_copies.ReplicaCopies) -> None:
         super().__init__(strategy, replica_id, device)
-        self.reads = reads
+        self.copies = copies
 
     def merge_call(self, merge_fn: Callable[..., Any], args: tuple[Any, ...] = (),
                    kwargs: Mapping[str, Any] | None = None) -> Any:
@@ -185,7 +190,7 @@ class _CentralReplicaContext(ReplicaContext):
         itself); each replica gets the result (its own component of distributed values in
         it)."""
         kwargs = kwargs or {}
-        replica = self.reads
+        replica = self.copies
         ids = tuple(range(self.num_replicas_in_sync))
 
         def merge(contributions: list[Any]) -> Any:
@@ -217,6 +222,8 @@ class CentralStorageExtended(StrategyExtended):
         self._parameter_device = parameter_device
         self._timeout = timeout_seconds
         self._threads = _ThreadCommunicator(parameter_device)
+        # What the scope recorded: the central parameters and buffers (one copy each).
+        self._recorded = mirroring.MirroredState()
         # One replica computing where the parameters are needs no thread and no copies.
         self._threaded = len(compute_devices) > 1 or compute_devices[0] != parameter_device
 
@@ -247,15 +254,6 @@ class CentralStorageExtended(StrategyExtended):
         # Duck-types the Communicator collectives a run's replica threads need.
         return self._threads
 
-    @property
-    def replicas_are_threads(self) -> bool:
-        """The replicas are threads of this process, sharing the user's objects."""
-        return True
-
-    @property
-    def one_replica_per_process(self) -> bool:
-        return False
-
     def metric_sync(self) -> MetricSync:
         """Updates serialised (the replica threads share the metric); nothing to gather:
         this process holds every replica's updates."""
@@ -282,7 +280,7 @@ class CentralStorageExtended(StrategyExtended):
           synchronisation point and stop. `CollectiveError` when a replica does not reach a
           synchronisation point within the timeout.
         """
-        self.synchronize_mirrored_state()
+        self.settle_recorded_state()
         if not self._threaded:
             device = self._parameter_device
             replica = ReplicaContext(self._container, 0, device)
@@ -291,8 +289,8 @@ class CentralStorageExtended(StrategyExtended):
         devices = self._compute_devices
         n = len(devices)
         group = ReplicaGroup(n, self._timeout)
-        session = central_reads.RunSession(group, self._mirrored.parameters,
-                                           self._mirrored.buffers(), devices,
+        session = replica_copies.RunSession(group, self._recorded.parameters,
+                                            self._recorded.buffers(), devices,
                                            self._parameter_device)
         session.strategy = self._container
 
@@ -379,7 +377,7 @@ class CentralStorageExtended(StrategyExtended):
 
     # -- collectives in replica context (a rendezvous of the replica threads) -------------
     def _local_tensors(self, value: Any, what: str) -> tuple[list[torch.Tensor], Any]:
-        replica = central_reads.current_replica()
+        replica = replica_copies.current_replica()
         index = 0 if replica is None else replica.replica_id
         return nest.tensor_leaves(values.local_component(value, index), what)
 
@@ -398,11 +396,26 @@ class CentralStorageExtended(StrategyExtended):
     def scope_placement(self) -> ContextManager[Any]:
         return placement_scope(self._parameter_device)
 
-    def synchronize_mirrored_state(self) -> None:
-        """Takes what the scope recorded into the replicas' reads: there is one copy of
+    def record_parameter(self, module: torch.nn.Module, name: str,
+                         param: torch.nn.Parameter) -> None:
+        self._recorded.add_parameter(param, f"{type(module).__name__}.{name}")
+
+    def record_buffer(self, module: torch.nn.Module, name: str) -> None:
+        self._recorded.add_buffer(module, name)
+
+    def record_variable(self, variable: Variable) -> None:
+        self._recorded.add_tensor(variable.tensor, variable.trainable,
+                                  f"Variable {variable.name!r}")
+
+    def recorded_in_scope(self, tensor: torch.Tensor) -> bool:
+        return self._recorded.is_parameter(tensor) or any(
+            b is tensor for b in self._recorded.buffers())
+
+    def settle_recorded_state(self) -> None:
+        """Takes what the scope recorded into the replicas' copies: there is one copy of
         each tensor, so nothing is sent anywhere (``run`` copies the parameters and buffers
         it finds recorded to each compute device)."""
-        self._mirrored.take_pending()
+        self._recorded.take_pending()
 
     # -- variables ---------------------------------------------------------------------
     def check_variable(self, variable: Variable) -> None:
@@ -414,7 +427,7 @@ class CentralStorageExtended(StrategyExtended):
     def write_variable(self, variable: Variable, new_value: torch.Tensor) -> None:
         """Writes the central tensor; inside ``run`` the replicas' (aggregated, hence equal)
         values are written once, when every replica has arrived."""
-        replica = central_reads.current_replica()
+        replica = replica_copies.current_replica()
         if replica is None or replica.session.strategy is not self._container:
             return super().write_variable(variable, new_value)
         if variable.aggregation is VariableAggregation.NONE and self.num_replicas_in_sync > 1:
@@ -512,6 +525,9 @@ class CentralStorageStrategy(Strategy):
       RuntimeError: CUDA devices without CUDA.
     """
 
+    #: Its replicas are threads of one process sharing the user's objects.
+    CAPABILITIES = Capabilities(one_replica_per_process=False, replicas_are_threads=True)
+
     def __init__(self, compute_devices: Sequence[str | torch.device] | None = None,
                  parameter_device: str | torch.device | None = None, *,
                  timeout_seconds: float | None = None) -> None:
@@ -520,7 +536,7 @@ class CentralStorageStrategy(Strategy):
         super().__init__(CentralStorageExtended(self, [d.torch_device for d in compute],
                                                 parameter, timeout))
         self._device_names = tuple(d.name for d in compute)
-        central_reads.install_optimizer_hooks()
+        replica_copies.install_optimizer_hooks()
         logger.info(f"CentralStorageStrategy with {len(compute)} replica(s) on "
                     f"{self._device_names}, parameters on {parameter}")
 

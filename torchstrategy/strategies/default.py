@@ -17,13 +17,15 @@ from torchstrategy import context
 from torchstrategy.collectives.communicator import Communicator
 from torchstrategy.collectives.cross_device_ops import NcclAllReduce
 from torchstrategy.strategies.base import Strategy
-from torchstrategy.strategies.spmd import SPMDExtended
+from torchstrategy.strategies.data_parallel import DataParallelExtended
+from torchstrategy.strategies.parameters import MirroredParameters
 
 
 class _DefaultStrategy(Strategy):
     def __init__(self) -> None:
         communicator = Communicator(None, 0, 1, torch.device("cpu"), NcclAllReduce())
-        super().__init__(SPMDExtended(self, communicator, None, place_in_scope=False))
+        super().__init__(DataParallelExtended(self, communicator, None, MirroredParameters(),
+                                              place_in_scope=False))
 
     def __repr__(self) -> str:
         return "DefaultStrategy()"

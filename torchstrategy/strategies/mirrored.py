@@ -6,13 +6,12 @@ from typing import Sequence
 import torch
 
 from torchstrategy.collectives.cross_device_ops import CrossDeviceOps, as_cross_device_ops
-from torchstrategy.launch import world as world_lib
-from torchstrategy.strategies.base import Strategy, logger, trainer_device_names
-from torchstrategy.strategies.spmd import SPMDExtended
-from torchstrategy.strategies.startup import start_replica_process
+from torchstrategy.strategies.base import logger, trainer_device_names
+from torchstrategy.strategies.data_parallel import DataParallelStrategy, check_bucket_cap_mb
+from torchstrategy.strategies.parameters import MirroredParameters
 
 
-class MirroredStrategy(Strategy):
+class MirroredStrategy(DataParallelStrategy):
     """Synchronous training on several devices of one machine, one process per device.
 
     Args:
@@ -39,25 +38,17 @@ class MirroredStrategy(Strategy):
     def __init__(self, devices: Sequence[str | torch.device] | None = None,
                  cross_device_ops: CrossDeviceOps | None = None, *,
                  timeout_seconds: float | None = None, bucket_cap_mb: float = 25) -> None:
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
-                or not 0 < bucket_cap_mb < float("inf"):
-            # Checked before any replica is launched, whatever their number.
-            raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got "
-                             f"bucket_cap_mb={bucket_cap_mb!r} (the default is 25).")
-        process = start_replica_process(
-            devices=devices, cross_device_ops=as_cross_device_ops(cross_device_ops),
-            timeout_seconds=world_lib.timeout_seconds(timeout_seconds))
-        super().__init__(SPMDExtended(self, process.communicator, process.torch_device,
-                                      bucket_cap_bytes=bucket_cap_mb * 1024 * 1024))
-        world = process.world
-        self._world = world
-        self._devices = process.device_names
+        bucket_cap_bytes = check_bucket_cap_mb(bucket_cap_mb)
+        super().__init__(lambda process: MirroredParameters(bucket_cap_bytes),
+                         devices=devices, cross_device_ops=as_cross_device_ops(cross_device_ops),
+                         timeout_seconds=timeout_seconds)
+        world = self._world
         if world.rank == 0:
             where = f"devices {self._devices}" if world.world_size == len(self._devices) else \
                 f"{world.world_size} replicas ({len(self._devices)} on this machine: " \
                 f"{self._devices})"
             logger.info(f"MirroredStrategy with {world.world_size} replica(s) on {where}"
-                        + (f", {process.backend}" if world.world_size > 1 else ""))
+                        + (f", {self._process.backend}" if world.world_size > 1 else ""))
 
     @classmethod
     def build_for_trainer(cls, devices: Sequence[torch.device], num_nodes: int, *,

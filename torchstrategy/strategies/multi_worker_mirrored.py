@@ -3,8 +3,8 @@
 Each machine (worker) runs one process per local device, exactly as `MirroredStrategy` does
 on one machine, and all of them form one process group: machine m's replicas take the
 global ranks ``m * L .. (m + 1) * L - 1`` (L replicas per machine), so rank 0 is the chief's
-first replica. Everything else (scope, run, the gradient reducer, input) is the shared SPMD
-machinery of `Strategy`.
+first replica. Everything else (scope, run, the gradient reducer, input) is the shared
+data-parallel machinery (`torchstrategy.strategies.data_parallel`).
 
 How the machines find each other:
 
@@ -33,19 +33,19 @@ from typing import Sequence
 
 import torch
 
-from torchstrategy.cluster_resolver import ClusterResolver, detect
+from torchstrategy.cluster_resolver import ClusterResolver
 from torchstrategy.collectives.compression import with_compression
 from torchstrategy.collectives.cross_device_ops import CrossDeviceOps, as_cross_device_ops
 from torchstrategy.collectives.reducer import DEFAULT_BUCKET_CAP_BYTES
 from torchstrategy.communication_options import CommunicationOptions
-from torchstrategy.launch import world as world_lib
-from torchstrategy.strategies.base import (Strategy, check_trainer_replicas, logger,
-                                          trainer_device_names)
-from torchstrategy.strategies.spmd import SPMDExtended
-from torchstrategy.strategies.startup import start_replica_process
+from torchstrategy.strategies.base import logger
+from torchstrategy.strategies.data_parallel import (DataParallelStrategy,
+                                                    check_communication_options,
+                                                    resolve_cluster)
+from torchstrategy.strategies.parameters import MirroredParameters
 
 
-class MultiWorkerMirroredStrategy(Strategy):
+class MultiWorkerMirroredStrategy(DataParallelStrategy):
     """Synchronous training on every device of several machines (tf.distribute's name).
 
     Args:
@@ -80,47 +80,34 @@ class MultiWorkerMirroredStrategy(Strategy):
                  communication_options: CommunicationOptions | None = None, *,
                  devices: Sequence[str | torch.device] | None = None,
                  cross_device_ops: CrossDeviceOps | None = None) -> None:
-        if communication_options is None:
-            communication_options = CommunicationOptions()
-        if not isinstance(communication_options, CommunicationOptions):
-            raise TypeError(f"communication_options must be a ts.CommunicationOptions, got "
-                            f"{communication_options!r}.")
-        if cluster_resolver is None:
-            cluster_resolver = detect.default_resolver()
-        if not isinstance(cluster_resolver, ClusterResolver):
-            raise TypeError(f"cluster_resolver must be a ts.cluster_resolver.ClusterResolver, "
-                            f"got {cluster_resolver!r}.")
-        options = communication_options
+        options = check_communication_options(communication_options)
+        resolver = resolve_cluster(cluster_resolver)
         cross_device_ops = with_compression(as_cross_device_ops(cross_device_ops),
                                             options.compression)
-        process = start_replica_process(
-            devices=devices, cross_device_ops=cross_device_ops,
-            timeout_seconds=world_lib.timeout_seconds(options.timeout_seconds),
-            cluster_resolver=cluster_resolver, implementation=options.implementation)
         bucket_bytes = options.bytes_per_pack or DEFAULT_BUCKET_CAP_BYTES
-        super().__init__(SPMDExtended(self, process.communicator, process.torch_device,
-                                      bucket_cap_bytes=bucket_bytes))
-        world = process.world
-        self._world = world
-        self._resolver = cluster_resolver
+        super().__init__(lambda process: MirroredParameters(bucket_bytes),
+                         devices=devices, cross_device_ops=cross_device_ops,
+                         timeout_seconds=options.timeout_seconds,
+                         cluster_resolver=resolver, implementation=options.implementation)
+        self._cluster = resolver
         self._options = options
-        self._devices = process.device_names
+        world = self._world
         if world.rank == 0:
             logger.info(f"MultiWorkerMirroredStrategy with {world.world_size} replica(s) on "
                         f"{world.num_nodes} worker(s), {world.local_world_size} per worker "
                         f"(here {self._devices})"
-                        + (f", {process.backend}" if world.world_size > 1 else ""))
+                        + (f", {self._process.backend}" if world.world_size > 1 else ""))
 
     @property
     def cluster_resolver(self) -> ClusterResolver:
         """The `ClusterResolver` this strategy was built from."""
-        return self._resolver
+        return self._cluster
 
     @property
     def task_type(self) -> str | None:
         """This machine's job ("chief" or "worker"); None on a single machine without a
         cluster description, as in TensorFlow."""
-        return self._resolver.task_type
+        return self._cluster.task_type
 
     @property
     def task_id(self) -> int | None:
@@ -129,17 +116,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         process); under TF_CONFIG or Kubeflow a task is one machine, shared by that
         machine's replicas. None without a cluster description. For one-off work use
         `is_chief` / ``extended.should_checkpoint``, which name exactly one process."""
-        return self._resolver.task_id
-
-    @property
-    def worker_index(self) -> int:
-        """This machine's rank among the machines (0 is the chief's machine)."""
-        return self._world.node_rank
-
-    @property
-    def num_workers(self) -> int:
-        """The number of machines taking part."""
-        return self._world.num_nodes
+        return self._cluster.task_id
 
     @property
     def communication_options(self) -> CommunicationOptions:
@@ -163,11 +140,9 @@ class MultiWorkerMirroredStrategy(Strategy):
           ValueError: devices other than CPU or CUDA; a job whose replica count is not
             ``num_nodes * len(devices)``.
         """
-        strategy = cls(devices=trainer_device_names(devices, name))
-        check_trainer_replicas(strategy, devices, num_nodes,
-                               " Pass num_nodes= the number of machines and devices= the "
-                               "processes per machine.")
-        return strategy
+        return cls._build_on_machines(devices, num_nodes, name,
+                                      " Pass num_nodes= the number of machines and devices= "
+                                      "the processes per machine.")
 
     def __repr__(self) -> str:
         return (f"MultiWorkerMirroredStrategy(num_workers={self.num_workers}, "

@@ -9,7 +9,8 @@ from torchstrategy.collectives.communicator import Communicator
 from torchstrategy.collectives.cross_device_ops import NcclAllReduce
 from torchstrategy.devices import parse_devices
 from torchstrategy.strategies.base import Strategy
-from torchstrategy.strategies.spmd import SPMDExtended
+from torchstrategy.strategies.data_parallel import DataParallelExtended
+from torchstrategy.strategies.parameters import MirroredParameters
 
 
 class OneDeviceStrategy(Strategy):
@@ -24,7 +25,8 @@ class OneDeviceStrategy(Strategy):
         (parsed,) = parse_devices([device])
         torch_device = parsed.torch_device
         communicator = Communicator(None, 0, 1, torch_device, NcclAllReduce())
-        super().__init__(SPMDExtended(self, communicator, torch_device))
+        super().__init__(DataParallelExtended(self, communicator, torch_device,
+                                              MirroredParameters()))
         self._device_name = parsed.name
 
     @classmethod

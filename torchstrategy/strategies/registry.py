@@ -3,8 +3,10 @@ for by name: ``Trainer(strategy="mirrored")``.
 
 This is the one table of strategy names outside ``torchstrategy/__init__.py``; the
 Lightning adapter and its registration read it and name no strategy themselves. A new
-strategy that a Trainer may build adds a `TrainerKind` (and the `TrainerName`s that build
-it) here, and implements ``Strategy.build_for_trainer``.
+strategy that a Trainer may build adds one `TrainerKind` (its class) to `KINDS` and the
+`TrainerName`s that build it, here, and implements ``Strategy.build_for_trainer``. Whether a Trainer can drive it is not written here: it is
+the strategy class's ``CAPABILITIES.one_replica_per_process``, the answer the adapter
+reads from a built strategy too.
 """
 from __future__ import annotations
 
@@ -38,22 +40,23 @@ class TrainerKind:
       load: returns that class (importing its module, for ShardedStrategy).
       start_methods: how its replicas may be started under a Trainer ("popen": built when
         the Trainer is, re-executing the program or joining torchrun; "fork": forked at
-        ``fit``). Empty for a strategy that runs several replicas in one process, which a
-        loop running once per process cannot drive.
+        ``fit``).
     """
 
     kind: str
     class_name: str
     load: Callable[[], type[Strategy]]
-    start_methods: tuple[str, ...]
-
-    @property
-    def runs_under_a_trainer(self) -> bool:
-        return bool(self.start_methods)
+    start_methods: tuple[str, ...] = ("popen",)
 
     def strategy_class(self) -> type[Strategy]:
         """The `Strategy` subclass."""
         return self.load()
+
+    @property
+    def runs_under_a_trainer(self) -> bool:
+        """True when a loop that runs once per process can drive the strategy: the class's
+        ``CAPABILITIES.one_replica_per_process``, the answer a built strategy gives."""
+        return self.strategy_class().CAPABILITIES.one_replica_per_process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,33 +71,35 @@ class TrainerName:
     description: str
 
 
-KINDS: tuple[TrainerKind, ...] = (
-    TrainerKind("mirrored", "MirroredStrategy", lambda: MirroredStrategy, ("popen", "fork")),
-    TrainerKind("one_device", "OneDeviceStrategy", lambda: OneDeviceStrategy, ("popen",)),
-    TrainerKind("multi_worker_mirrored", "MultiWorkerMirroredStrategy",
-                lambda: MultiWorkerMirroredStrategy, ("popen",)),
-    TrainerKind("sharded", "ShardedStrategy", _sharded_strategy, ("popen",)),
-    TrainerKind("central_storage", "CentralStorageStrategy", lambda: CentralStorageStrategy,
-                ()),
-    TrainerKind("tpu", "TPUStrategy", lambda: TPUStrategy, ()),
-)
+_MIRRORED = TrainerKind("mirrored", "MirroredStrategy", lambda: MirroredStrategy,
+                        ("popen", "fork"))
+_ONE_DEVICE = TrainerKind("one_device", "OneDeviceStrategy", lambda: OneDeviceStrategy)
+_MULTI_WORKER_MIRRORED = TrainerKind("multi_worker_mirrored", "MultiWorkerMirroredStrategy",
+                                     lambda: MultiWorkerMirroredStrategy)
+_SHARDED = TrainerKind("sharded", "ShardedStrategy", _sharded_strategy)
+# Named so that Trainer(strategy="central_storage") / "tpu" gets the reason it cannot run
+# (their CAPABILITIES say a Trainer cannot drive them).
+_CENTRAL_STORAGE = TrainerKind("central_storage", "CentralStorageStrategy",
+                               lambda: CentralStorageStrategy)
+_TPU = TrainerKind("tpu", "TPUStrategy", lambda: TPUStrategy)
 
-MIRRORED, ONE_DEVICE, MULTI_WORKER_MIRRORED, SHARDED, CENTRAL_STORAGE, TPU = KINDS
+KINDS: tuple[TrainerKind, ...] = (_MIRRORED, _ONE_DEVICE, _MULTI_WORKER_MIRRORED, _SHARDED,
+                                  _CENTRAL_STORAGE, _TPU)
 
 NAMES: tuple[TrainerName, ...] = (
-    TrainerName("mirrored", MIRRORED, "popen",
+    TrainerName("mirrored", _MIRRORED, "popen",
                 "torchstrategy MirroredStrategy: one replica per device, python train.py "
                 "re-executes itself for the other replicas (or joins torchrun)"),
-    TrainerName("mirrored_notebook", MIRRORED, "fork",
+    TrainerName("mirrored_notebook", _MIRRORED, "fork",
                 "torchstrategy MirroredStrategy with replicas forked at fit (notebooks)"),
-    TrainerName("one_device", ONE_DEVICE, "popen",
+    TrainerName("one_device", _ONE_DEVICE, "popen",
                 "torchstrategy OneDeviceStrategy: one replica on one device"),
-    TrainerName("multi_worker_mirrored", MULTI_WORKER_MIRRORED, "popen",
+    TrainerName("multi_worker_mirrored", _MULTI_WORKER_MIRRORED, "popen",
                 "torchstrategy MultiWorkerMirroredStrategy: several machines under torchrun"),
-    TrainerName("central_storage", CENTRAL_STORAGE, "popen",
+    TrainerName("central_storage", _CENTRAL_STORAGE, "popen",
                 "torchstrategy CentralStorageStrategy"),
-    TrainerName("tpu", TPU, "popen", "torchstrategy TPUStrategy"),
-    TrainerName("sharded", SHARDED, "popen",
+    TrainerName("tpu", _TPU, "popen", "torchstrategy TPUStrategy"),
+    TrainerName("sharded", _SHARDED, "popen",
                 "torchstrategy ShardedStrategy: parameters, gradients and optimizer state "
                 "sharded over one replica per device (FSDP2)"),
 )

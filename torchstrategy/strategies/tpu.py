@@ -38,7 +38,9 @@ from torchstrategy.reduce_op import ReduceOp, as_mean_input, as_reduce_op
 from torchstrategy.replica_context import ReplicaContext
 from torchstrategy.run_options import RunOptions, check_run_options
 from torchstrategy.strategies.base import MetricSync, Strategy, StrategyExtended, logger
-from torchstrategy.strategies.spmd import destination_device
+from torchstrategy.strategies.capabilities import Capabilities
+from torchstrategy.strategies.process_replica import destination_device
+from torchstrategy.variables import Variable
 from torchstrategy.xla import require_torch_xla
 from torchstrategy.xla.input import TPUDistributedDataset, TPUDistributedDatasetsFromFunction
 from torchstrategy.xla.mesh import DataMesh, is_xla
@@ -53,13 +55,11 @@ class TPUExtended(StrategyExtended):
       steps_per_execution: steps traced into one XLA execution.
     """
 
-    # compute_average_loss / scale_regularization_loss read this: the traced step sees the
-    # whole global batch, not one replica's slice.
-    traces_global_batch = True
-
     def __init__(self, container: Strategy, mesh: DataMesh, communicator: Communicator,
                  steps_per_execution: int) -> None:
         super().__init__(container)
+        # What the scope recorded: replicated over the mesh, identical on every host.
+        self._recorded = mirroring.MirroredState()
         self._comm = communicator
         self.mesh = mesh
         self.steps_per_execution = steps_per_execution
@@ -98,11 +98,6 @@ class TPUExtended(StrategyExtended):
     @property
     def experimental_require_static_shapes(self) -> bool:
         return True  # a new batch shape is a new XLA compilation
-
-    @property
-    def one_replica_per_process(self) -> bool:
-        """False: one XLA program per host runs every local replica."""
-        return False
 
     def metric_sync(self) -> MetricSync:
         """Nothing to gather or lock: the step is one SPMD program over the global batch,
@@ -145,7 +140,7 @@ class TPUExtended(StrategyExtended):
         start executing on the devices. Returns `fn`'s result with every XLA tensor wrapped
         in a `GlobalValue`.
         """
-        self.synchronize_mirrored_state()
+        self.settle_recorded_state()
         args = self.to_program_input(args)
         kwargs = self.to_program_input(kwargs)
         with context.enter(self._container, self._replica_context()):
@@ -340,21 +335,34 @@ class TPUExtended(StrategyExtended):
         """Modules and variables created in the scope are placed on the XLA device."""
         return self.mesh.device
 
-    # record_parameter / record_buffer / record_variable: StrategyExtended's (into
-    # self._mirrored).
+    # -- the scope -----------------------------------------------------------------------
+    def record_parameter(self, module: torch.nn.Module, name: str,
+                         param: torch.nn.Parameter) -> None:
+        self._recorded.add_parameter(param, f"{type(module).__name__}.{name}")
 
-    def synchronize_mirrored_state(self) -> None:
+    def record_buffer(self, module: torch.nn.Module, name: str) -> None:
+        self._recorded.add_buffer(module, name)
+
+    def record_variable(self, variable: Variable) -> None:
+        self._recorded.add_tensor(variable.tensor, variable.trainable,
+                                  f"Variable {variable.name!r}")
+
+    def recorded_in_scope(self, tensor: torch.Tensor) -> bool:
+        return self._recorded.is_parameter(tensor) or any(
+            b is tensor for b in self._recorded.buffers())
+
+    def settle_recorded_state(self) -> None:
         """Makes new parameters and buffers identical on every host (host 0's values; a
         no-op with one host) and computes them, so their initialisation is not traced into
         the first step.
 
         With several hosts, the hosts first compare names, shapes and dtypes of what they
-        recorded, as SPMDExtended's replicas do.
+        recorded, as the data-parallel strategies' replicas do.
 
         Raises:
           ValueError: hosts that recorded different tensors, naming the first difference.
         """
-        labelled = self._mirrored.take_pending_labelled()
+        labelled = self._recorded.take_pending_labelled()
         if not labelled:
             return
         if self.mesh.process_count > 1:
@@ -447,6 +455,11 @@ class TPUStrategy(Strategy):
       ValueError: ``steps_per_execution`` < 1; torchrun with several processes on a host.
       RuntimeError: torch_xla's process count disagreeing with the cluster resolver's.
     """
+
+    #: One XLA program per host runs every local replica over the global batch: a loop
+    #: that runs once per process cannot drive it, and loss scaling divides by the global
+    #: batch without multiplying by the replica count.
+    CAPABILITIES = Capabilities(one_replica_per_process=False, traces_global_batch=True)
 
     def __init__(self, cluster_resolver: ClusterResolver | None = None, *,
                  steps_per_execution: int = 1, timeout_seconds: float | None = None) -> None:

@@ -1,3 +1,4 @@
-"""The parts of `ShardedStrategy` (strategies/sharded.py): which modules become FSDP2 units
-(`plan`), and the sharded state outside the modules: optimizers built before sharding,
+"""The parts of `ShardedStrategy` (strategies/sharded.py): its parameter handling
+(`parameters`: when and how models are sharded), which modules become FSDP2 units (`plan`),
+optimizers built before sharding (`stale`), and the sharded state outside the modules:
 checkpoints and the export of a plain state_dict (`state`)."""

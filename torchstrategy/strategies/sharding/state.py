@@ -1,11 +1,5 @@
-"""Sharded state outside the modules: optimizers, checkpoints, the plain export.
-
-Optimizers. ``fully_shard`` replaces every parameter of a module by a new DTensor
-parameter. An optimizer built from ``model.parameters()`` before the model was sharded
-(the usual ``with strategy.scope(): model = ...; optimizer = ...``: the scope shards when it
-exits) holds the replaced tensors. `StaleParameters` remembers which tensor replaced which,
-and a global optimizer step pre-hook swaps them in the optimizer's parameter groups (in
-place, so optimizers that keep a reference to a group's list see it) before its first step.
+"""Sharded state outside the modules: checkpoints, the plain export, full tensors into
+shards. (Optimizers built before sharding: `torchstrategy.strategies.sharding.stale`.)
 
 Checkpoints go through ``torch.distributed.checkpoint``: `save` / `load` write and read each
 replica's shards (a checkpoint written by N replicas loads on M), `export_state_dict` gives
@@ -25,9 +19,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import weakref
 import zlib
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,98 +31,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.optim import optimizer as optim_lib
-from torch.utils.weak import WeakIdKeyDictionary
 
-from torchstrategy import _compat, checkpoint, runtime
-
-_STATE_KEY = "torchstrategy.sharded.stale_parameters"
-
-
-class StaleParameters:
-    """Which sharded parameter replaced which unsharded one (weakly: neither is kept
-    alive), and which optimizers were already brought up to date.
-
-    The sharded parameter is found through its module and name, not a weak reference to
-    it: ``torch.utils.swap_tensors`` (``module.to()`` / ``.cpu()`` on an FSDP2 module)
-    refuses tensors that have weak references."""
-
-    def __init__(self) -> None:
-        # old (unsharded) parameter -> (weakref to its model's root, its name there). Weak
-        # in the old parameters (no longer any module's, so a weak reference to them stops
-        # nothing): an entry goes with its parameter, and a new tensor is never taken for
-        # a dead one.
-        self._replaced = WeakIdKeyDictionary()
-        self._version = 0
-        self._adopted = WeakIdKeyDictionary()        # optimizer -> the version it saw
-
-    def add(self, root: torch.nn.Module, before: Mapping[str, torch.Tensor]) -> None:
-        """Records that `root`'s parameters `before` (name -> unsharded parameter) were
-        replaced by its parameters of the same names."""
-        root_ref = weakref.ref(root)
-        for name, old in before.items():
-            self._replaced[old] = (root_ref, name)
-        self._version += 1
-
-    def adopt(self, optimizer: torch.optim.Optimizer) -> None:
-        """Replaces, in `optimizer`'s parameter groups, every parameter that sharding
-        replaced by its sharded parameter. Cheap when there is nothing to do.
-
-        Raises:
-          RuntimeError: optimizer state already held for an unsharded parameter (a
-            ``load_state_dict`` of an unsharded optimizer checkpoint before the first step),
-            or a replaced parameter whose sharded module no longer exists.
-        """
-        if not self._replaced or self._adopted.get(optimizer) == self._version:
-            return
-        for group in optimizer.param_groups:
-            params = group["params"]
-            for index, param in enumerate(params):
-                replaced = self._replaced.get(param)
-                if replaced is None:
-                    continue
-                root_ref, name = replaced
-                new = _parameter(root_ref(), name)
-                if new is param:
-                    continue
-                if new is None:
-                    raise RuntimeError(
-                        "An optimizer holds a parameter of a module that ShardedStrategy "
-                        "sharded and that no longer exists; build the optimizer from the "
-                        "live model's parameters.")
-                if optimizer.state.get(param):
-                    raise RuntimeError(
-                        "This optimizer holds state for a parameter as it was before "
-                        "ShardedStrategy sharded it (an unsharded optimizer state_dict "
-                        "loaded before the first step?). Load optimizer checkpoints with "
-                        "strategy.extended.load_checkpoint(path, model, optimizer) or "
-                        "load_state_dict_from_checkpoint(optimizer, state).")
-                params[index] = new
-        self._adopted[optimizer] = self._version
-
-
-def _parameter(root: torch.nn.Module | None, name: str) -> torch.nn.Parameter | None:
-    """`root`'s parameter `name`, or None when `root` is gone or no longer has it."""
-    if root is None:
-        return None
-    try:
-        return root.get_parameter(name)
-    except AttributeError:
-        return None
-
-
-def stale_parameters() -> StaleParameters:
-    """This process's `StaleParameters`, with the optimizer step pre-hook installed."""
-    stale = runtime.current().state(_STATE_KEY, StaleParameters)
-    runtime.current().install_once(
-        _STATE_KEY, lambda: optim_lib.register_optimizer_step_pre_hook(_before_step))
-    return stale
-
-
-def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    runtime.current().state(_STATE_KEY, StaleParameters).adopt(optimizer)
-    return None
-
+from torchstrategy import _compat, checkpoint
+from torchstrategy.strategies.sharding import stale
 
 def is_sharded(module: Any) -> bool:
     """True if `module` holds at least one DTensor parameter."""
@@ -152,7 +56,7 @@ def export_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.O
                                 ) -> dict[str, Any]:
     """The full ``state_dict`` of an optimizer over `model`'s sharded parameters, keyed by
     parameter name (a collective; the chief gets it, the others an empty dict)."""
-    stale_parameters().adopt(optimizer)
+    stale.stale_parameters().refresh_optimizer(optimizer)
     return get_optimizer_state_dict(model, optimizer, options=_full())
 
 
@@ -165,7 +69,7 @@ def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, Any]) -> 
 def load_full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                                    state_dict: dict[str, Any]) -> None:
     """Loads what `export_optimizer_state_dict` returned (on every replica)."""
-    stale_parameters().adopt(optimizer)
+    stale.stale_parameters().refresh_optimizer(optimizer)
     set_optimizer_state_dict(model, optimizer, state_dict,
                              options=StateDictOptions(full_state_dict=True))
 
@@ -174,7 +78,7 @@ def _checkpoint_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
                       ) -> dict[str, Any]:
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
-        stale_parameters().adopt(optimizer)
+        stale.stale_parameters().refresh_optimizer(optimizer)
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     return state
 

@@ -54,14 +54,14 @@ _OPTIMIZER_HOOKS = "central_storage/optimizer-step-hooks"
 _Result = TypeVar("_Result")
 
 
-def current_replica() -> ReplicaReads | None:
-    """The `ReplicaReads` of the replica context this thread is in, or None: outside
+def current_replica() -> ReplicaCopies | None:
+    """The `ReplicaCopies` of the replica context this thread is in, or None: outside
     replica threads, and in cross-replica context inside one (``merge_call``'s merge_fn,
     a ``scope()``), where operations are local to the process.
 
     Which replica a thread runs is `torchstrategy.context`'s record, nowhere else: the
-    replica context of a run carries its reads (``reads``)."""
-    return getattr(context.get_replica_context(), "reads", None)
+    replica context of a run carries its copies (``copies``)."""
+    return getattr(context.get_replica_context(), "copies", None)
 
 
 def central_view() -> ContextManager[Any]:
@@ -71,7 +71,7 @@ def central_view() -> ContextManager[Any]:
     return contextlib.nullcontext() if replica is None else replica.suspended()
 
 
-class ReplicaReads(TorchFunctionMode):
+class ReplicaCopies(TorchFunctionMode):
     """One replica's view of the central tensors (see the module docstring)."""
 
     def __init__(self, session: RunSession, replica_id: int, device: torch.device) -> None:
@@ -170,7 +170,7 @@ class RunSession:
         self.buffers = list(buffers)
         self.devices = list(devices)
         self.parameter_device = parameter_device
-        self.replicas = [ReplicaReads(self, r, d) for r, d in enumerate(self.devices)]
+        self.replicas = [ReplicaCopies(self, r, d) for r, d in enumerate(self.devices)]
         self._leaves: list[list[Any]] = [[None] * len(self.params) for _ in self.devices]
         self._queued = [False] * len(self.devices)
         self._hooks: list[Any] = []
@@ -178,7 +178,7 @@ class RunSession:
             for r, replica in enumerate(self.replicas):
                 self._make_copies(r, replica)
 
-    def _make_copies(self, r: int, replica: ReplicaReads) -> None:
+    def _make_copies(self, r: int, replica: ReplicaCopies) -> None:
         device = replica.device
         for i, p in enumerate(self.params):
             if device == p.device and self.share_parameter_storage:
@@ -239,7 +239,7 @@ class RunSession:
                 replica.grads[id(p)] = mine if previous is None else previous + mine
 
     # -- optimizer.step ------------------------------------------------------------------
-    def before_step(self, replica: ReplicaReads) -> _Counter:
+    def before_step(self, replica: ReplicaCopies) -> _Counter:
         """Every replica's ``optimizer.step()`` waits for the others; returns what its call
         runs under: replica 0 updates the central tensors, the others update nothing."""
         self.group.rendezvous(replica.replica_id, "optimizer.step()",
@@ -248,7 +248,7 @@ class RunSession:
             return replica.suspended()     # the update is applied to the central tensors
         return replica.hiding_grads()      # the other replicas' calls update nothing
 
-    def after_step(self, replica: ReplicaReads) -> None:
+    def after_step(self, replica: ReplicaCopies) -> None:
         """The end of ``optimizer.step()``: every replica waits for the update, and copies
         on other devices read its result."""
         self.group.rendezvous(replica.replica_id, "the end of optimizer.step()",
