@@ -85,7 +85,7 @@ class Runtime:
         """The `World` this process belongs to, or None before any strategy made one."""
         return self._world
 
-    def adopt_world(self, world: world_lib.World) -> world_lib.World:
+    def enter_world(self, world: world_lib.World) -> world_lib.World:
         """Records `world` as this process's world (a second strategy joins it instead of
         launching again) and gives the process torchrun's variables for it
         (`world_lib.publish_environment`: RANK, LOCAL_RANK, WORLD_SIZE, ...; a launcher's
@@ -107,7 +107,7 @@ class Runtime:
         with self._lock:
             store = reexec.listening_store("127.0.0.1", 1,
                                            datetime.timedelta(seconds=timeout_seconds))
-            return self.adopt_world(world_lib.World(master_port=store.port, store=store))
+            return self.enter_world(world_lib.World(master_port=store.port, store=store))
 
     def start_local_replicas(self, num_replicas: int, timeout_seconds: float,
                              **multi_machine: Any) -> world_lib.World:
@@ -120,7 +120,7 @@ class Runtime:
                 self._supervisor = supervisor
                 supervisor.install_excepthook()
                 self._register_exit_handler()
-            return self.adopt_world(world)
+            return self.enter_world(world)
 
     # -- the process group ------------------------------------------------------------
     def init_process_group(self, world: world_lib.World, backend: str,

@@ -12,7 +12,7 @@ ShardedStrategy do when they are constructed, in this order:
    strategy asks for none), so that DDP-style code asking torch.distributed
    (``dist.get_rank()``, ``DistributedSampler``, ``dist.barrier()``) works unchanged with
    one replica; the world's torchrun variables (RANK, LOCAL_RANK, WORLD_SIZE, ...) are
-   in the environment from step 1 on (`Runtime.adopt_world`);
+   in the environment from step 1 on (`Runtime.enter_world`);
 4. build the `Communicator`, with the diagnosis that names the replicas (and machines)
    missing after a failed collective.
 
@@ -152,7 +152,7 @@ def _find_world(resolver: ClusterResolver | None, devices: Sequence[str | torch.
     parsed = parse_devices(devices) if devices is not None else None
     launched = runtime.world_from_environment(resolver)
     if launched is not None:  # srun's or an adopted group's world: recorded once
-        runtime.current().adopt_world(launched)
+        runtime.current().enter_world(launched)
     tasks = _training_tasks(resolver)
     node_rank = 0
     if resolver is not None and tasks and resolver.task_type is not None:
@@ -211,7 +211,7 @@ def _one_machine_world(parsed: list[ReplicaDevice] | None, timeout_seconds: floa
                 f"machine (LOCAL_WORLD_SIZE={world.local_world_size}). Pass "
                 f"{world.local_world_size} devices, or none to take one per process.")
         local = parsed or _launched_devices(world)
-    return process.adopt_world(world), local
+    return process.enter_world(world), local
 
 
 def _cluster_world(resolver: ClusterResolver, tasks: list[tuple[str, int]], node_rank: int,

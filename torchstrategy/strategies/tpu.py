@@ -488,7 +488,7 @@ class TPUStrategy(Strategy):
                 raise RuntimeError("A multi-host TPUStrategy needs torchrun's environment "
                                    "(torchrun --nnodes=HOSTS --nproc-per-node=1 train.py).")
             process = runtime.current()
-            process.adopt_world(world)
+            process.enter_world(world)
             process.init_process_group(world, "gloo", world_lib.timeout_seconds(timeout_seconds))
         communicator = Communicator(None, mesh.process_index, mesh.process_count,
                                     torch.device("cpu"), NcclAllReduce())
