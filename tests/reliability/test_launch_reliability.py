@@ -113,3 +113,22 @@ def test_reexec_store_is_loopback_only_and_one_parent_watch_per_replica(tmp_path
         assert process.returncode == 0, (tmp_path / "output.log").read_text()[-3000:]
     finally:
         _kill_group(process)
+
+
+def test_sigterm_after_launch_returned_leaves_no_multiprocessing_directory(tmp_path):
+    # Issue 36, item 13: the fork server outlives ts.launch (the next launch reuses it);
+    # its socket, /tmp/pymp-*/listener-*, was left behind by a SIGTERM to the idle process.
+    script = os.path.join(SCRIPTS, "failing_replica.py")
+    process = subprocess.Popen([sys.executable, script, "launch_then_idle", str(tmp_path)],
+                               env=plain_environment(), stdout=_log(tmp_path),
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_for([tmp_path / "idle"], process)
+        temp_dir = (tmp_path / "launcher_temp_dir").read_text()
+        assert os.path.basename(temp_dir).startswith("pymp-") and os.path.isdir(temp_dir)
+        os.kill(process.pid, signal.SIGTERM)
+        process.wait(timeout=60)
+        assert process.returncode == -signal.SIGTERM   # ends as SIGTERM ends a process
+        assert not os.path.exists(temp_dir), f"{temp_dir} left: {os.listdir(temp_dir)}"
+    finally:
+        _kill_group(process)

@@ -9,7 +9,11 @@ MODE:
   launch_blocked     ts.launch of 2 replicas: replica 0 waits in a collective, replica 1
                      sleeps; each writes OUTDIR/pid<rank> (the test interrupts replica 0).
   reexec_blocked     the same, re-executed (replica 0 is this process).
+  launch_then_idle   writes OUTDIR/launcher_temp_dir (its /tmp/pymp-* directory), runs a
+                     ts.launch of 2 replicas to its end, writes OUTDIR/idle and sleeps
+                     (the test sends SIGTERM).
 """
+import multiprocessing.util
 import os
 import sys
 import time
@@ -38,8 +42,23 @@ def blocked(outdir, devices=None):
     strategy.reduce("SUM", torch.ones(2))
 
 
+def one():
+    return 1
+
+
+def write(outdir, name, text):
+    with open(os.path.join(outdir, name + ".part"), "w") as f:
+        f.write(text)
+    os.replace(os.path.join(outdir, name + ".part"), os.path.join(outdir, name))
+
+
 if __name__ == "__main__":
-    if mode == "launch_blocked":
+    if mode == "launch_then_idle":
+        write(sys.argv[2], "launcher_temp_dir", multiprocessing.util.get_temp_dir())
+        ts.launch(one, num_replicas=2)
+        write(sys.argv[2], "idle", "")
+        time.sleep(300)
+    elif mode == "launch_blocked":
         ts.launch(blocked, sys.argv[2], num_replicas=2)
     elif mode == "reexec_blocked":
         blocked(sys.argv[2], devices=["cpu:0", "cpu:1"])

@@ -74,6 +74,25 @@ def _die_of_sigterm(temp_dir: str | None) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _clean_up_at_sigterm(temp_dir: str) -> None:
+    """After `launch` returned: the fork server lives on (the next launch reuses it) with
+    its socket in `temp_dir` (``/tmp/pymp-*/listener-*``), which only a normal exit
+    removes. A SIGTERM to this process while it does something else (idles, trains alone)
+    then stops the server and removes the directory before the process ends by SIGTERM as
+    usual. Installed only where SIGTERM has the default action (a handler of the program's
+    own, later ones included, is left alone)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def clean_up(signum: int, frame: Any) -> None:
+        del signum, frame
+        _compat.stop_forkserver()
+        _die_of_sigterm(temp_dir)
+
+    signal.signal(signal.SIGTERM, clean_up)
+
+
 def _replica_main(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
                   rank: int, num_replicas: int, port: int, timeout: float,
                   conn: connection.Connection, launcher_pid: int,
@@ -267,6 +286,8 @@ def launch(fn: Callable[..., Any], *args: Any, num_replicas: int,
         _terminate(processes)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+            if temp_dir is not None:
+                _clean_up_at_sigterm(temp_dir)
         del store
 
 
