@@ -71,3 +71,25 @@ def test_negative_bucket_cap_refused_before_launch(devices):
     # Two devices: the check comes before re-execution (which pytest cannot do).
     with pytest.raises(ValueError, match=r"bucket_cap_mb=-1\b"):
         ts.MirroredStrategy(devices=devices, bucket_cap_mb=-1)
+
+
+
+def _batch_norm_with_a_small_last_batch():
+    strategy = ts.MirroredStrategy()
+    with strategy.scope():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    data = [torch.randn(4, 3), torch.randn(3, 3)]   # the last global batch: 2 + 1
+    for batch in strategy.experimental_distribute_dataset(data):
+        strategy.run(lambda x: model(x).sum().backward(), args=(batch,))
+
+
+def test_batch_norm_given_one_example_by_the_split_says_why_and_the_fix():
+    # Issue 36, item 8: before, torch's "Expected more than 1 value per channel when
+    # training" alone (one device trains on the same data without error).
+    with pytest.raises(ValueError, match=r"BatchNorm in training mode got one example on "
+                       r"this replica \(input size torch.Size\(\[1, 4\]\)\): its share of "
+                       r"a global batch split over 2 replicas") as caught:
+        ts.launch(_batch_norm_with_a_small_last_batch, num_replicas=2, timeout_seconds=60)
+    assert "drop_last=True" in str(caught.value)
+    assert "drop_remainder=True" in str(caught.value)

@@ -1,8 +1,11 @@
 """`InputContext`, `ValueContext` and `InputOptions`, as in tf.distribute."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
+import re
+from typing import Iterator
 
 
 class InputContext:
@@ -157,3 +160,31 @@ def check_input_options(options: InputOptions | None, *, from_function: bool,
                 "TensorFlow, only MirroredStrategy (and MultiWorkerMirroredStrategy, one "
                 "replica per process) build one pipeline per replica. Use PER_WORKER.")
     return options
+
+
+# torch's words when BatchNorm in training mode gets one value per channel.
+_ONE_VALUE_PER_CHANNEL = "Expected more than 1 value per channel when training"
+
+
+@contextlib.contextmanager
+def explained_small_local_batches(num_replicas: int) -> Iterator[None]:
+    """Re-raises torch's "Expected more than 1 value per channel when training" (BatchNorm
+    given one example) raised in a replica's step, when there are several replicas, as a
+    ValueError saying why it happens only once the batch is split (the last, smaller
+    global batch leaves this replica one example) and how to avoid it; torch's error is
+    kept as the cause."""
+    try:
+        yield
+    except ValueError as error:
+        if num_replicas < 2 or _ONE_VALUE_PER_CHANNEL not in str(error):
+            raise
+        size = re.search(r"input size (.*)$", str(error).splitlines()[0])
+        raise ValueError(
+            f"torchstrategy: BatchNorm in training mode got one example on this replica "
+            f"(input size {size.group(1) if size else '?'}): its share of a global batch "
+            f"split over {num_replicas} replicas. This happens with the last, smaller "
+            f"global batch (fewer than {2 * num_replicas} examples leave some replica one "
+            "or none), while one device normalises that whole batch. Drop the last partial "
+            "batch (DataLoader(..., drop_last=True) / dataset.batch(..., "
+            "drop_remainder=True), or a dataset length divisible by the global batch), or "
+            "give every replica at least two examples of every batch.") from error

@@ -31,7 +31,8 @@ from torchstrategy.collectives.cross_device_ops import CrossDeviceOps
 from torchstrategy.collectives.reducer import GradientReducer
 from torchstrategy.collectives.stats import ReductionStats
 from torchstrategy.communication_options import CommunicationOptions
-from torchstrategy.input.contexts import InputContext, InputOptions, ValueContext
+from torchstrategy.input.contexts import (InputContext, InputOptions, ValueContext,
+                                          explained_small_local_batches)
 from torchstrategy.replica_context import ReplicaContext
 from torchstrategy.run_options import RunOptions
 from torchstrategy.devices import parse_device
@@ -645,7 +646,8 @@ class Strategy:
             raise TypeError(f"strategy.run(fn, kwargs=...) takes a dict, got "
                             f"{type(kwargs).__name__}.")
         self._extended.check_run_options(options)
-        return self._extended.call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
+        with explained_small_local_batches(self.num_replicas_in_sync):
+            return self._extended.call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
 
     # -- cross-replica operations ---------------------------------------------------------
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
