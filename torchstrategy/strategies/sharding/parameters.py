@@ -25,8 +25,9 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules import module as nn_module
 
 from torchstrategy import mirroring, module_state, ownership
+from torchstrategy.collectives.peers import Peers
 from torchstrategy.strategies.parameters import ParameterHandling
-from torchstrategy.strategies.sharding import materialize, plan, stale, state, training
+from torchstrategy.strategies.sharding import dcp_io, materialize, plan, stale, state, training
 from torchstrategy.variables import Variable
 
 
@@ -322,14 +323,14 @@ class ShardedParameters(ParameterHandling):
         `path` (``torch.distributed.checkpoint``; one file system shared by the replicas).
         A collective."""
         self.extended.settle_recorded_state()
-        state.save(path, model, optimizer)
+        dcp_io.save(path, model, optimizer, Peers(self.communicator))
 
     def load_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module,
                         optimizer: torch.optim.Optimizer | None = None) -> None:
         """Reads a checkpoint of `save_checkpoint` into `model` (and `optimizer`), written
         by any number of replicas. A collective."""
         self.extended.settle_recorded_state()
-        state.load(path, model, optimizer)
+        dcp_io.load(path, model, optimizer, Peers(self.communicator))
 
     def export_state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
         """The plain single-device ``state_dict`` of `model`: full tensors on the CPU, no

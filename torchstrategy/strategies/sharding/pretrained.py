@@ -9,7 +9,7 @@ the chunks that overlap the shard. Unsharded tensors (buffers, a MirroredStrateg
 single-device model) are read whole, as ``load_state_dict`` would.
 
 Every key and shape is checked before any tensor is copied, and with sharded parameters
-the replicas agree on the outcome (`state.agree`): all raise the same error, naming the
+the replicas agree on the outcome (`dcp_io.agree`): all raise the same error, naming the
 key, or all load.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from torchstrategy.strategies.sharding import state
+from torchstrategy.strategies.sharding import dcp_io, state
 
 # The keys a training checkpoint nests the model's state_dict under, tried in this order
 # when the file's top level is not a state_dict itself ({"model": ..., "optimizer": ...},
@@ -108,11 +108,11 @@ def load_pretrained(model: torch.nn.Module, source: str | os.PathLike[str], *,
     opened: _Source | None = None
     plan: list[_Target] = []
     result = LoadResult([], [])
-    problem = None
+    problem: Exception | None = None
     try:
         is_directory = _is_directory(path)
     except PermissionError as error:     # agreed below, with the file's problems
-        is_directory, problem = False, state.problem_of(error)
+        is_directory, problem = False, error
     if is_directory:
         return _load_dcp(path, targets, sharded, strict)
     try:
@@ -121,9 +121,9 @@ def load_pretrained(model: torch.nn.Module, source: str | os.PathLike[str], *,
             opened = _open(path)
             plan, result = _plan(targets, opened.shapes, strict, path)
     except (OSError, KeyError, ValueError, RuntimeError) as error:
-        problem = state.problem_of(error)
+        problem = error
     try:
-        state.agree(problem, collective=sharded)
+        dcp_io.agree(problem, collective=sharded)
         with torch.no_grad():
             for target in plan:
                 assert opened is not None
@@ -342,7 +342,7 @@ def _open_safetensors(path: str) -> _Source:
 
 def _check_dcp_readable(path: str) -> None:
     """A DCP directory this user may not list or read is refused as such: the checks of
-    `state.read_dcp_metadata` would otherwise find no ``.metadata`` and call it
+    `dcp_io.read_dcp_metadata` would otherwise find no ``.metadata`` and call it
     incomplete."""
     try:
         for name in os.listdir(path):    # .metadata, the data files, the checksums
@@ -369,14 +369,14 @@ def _load_dcp(path: str, targets: Mapping[str, torch.Tensor], sharded: bool, str
     """From a DCP directory: the keys and shapes are checked against its metadata, then
     DCP reads into the model's own tensors (for a DTensor, only the stored chunks that
     overlap its local shard)."""
-    problem = None
+    problem: Exception | None = None
     try:
         _check_not_meta(targets)
         _check_dcp_readable(path)
     except (ValueError, PermissionError) as error:
-        problem = state.problem_of(error)
-    state.agree(problem, collective=sharded)
-    metadata = state.read_dcp_metadata(path, collective=sharded)
+        problem = error
+    dcp_io.agree(problem, collective=sharded)
+    metadata = dcp_io.read_dcp_metadata(path, collective=sharded)
     stored = {key: tuple(meta.size) for key, meta in metadata.state_dict_metadata.items()
               if hasattr(meta, "size")}  # tensors only (optimizer hyper-parameters are bytes)
     prefix = ""
@@ -391,11 +391,11 @@ def _load_dcp(path: str, targets: Mapping[str, torch.Tensor], sharded: bool, str
     try:
         plan, result = _plan(targets, shapes, strict, path)
     except (KeyError, ValueError, RuntimeError) as error:
-        problem = state.problem_of(error)
-    state.agree(problem, collective=sharded)
+        problem = error
+    dcp_io.agree(problem, collective=sharded)
     # DCP copies into the tensors given (a DTensor's local shard in place); detached, as a
     # parameter that requires grad refuses an in-place copy.
     inner = {target.key: target.tensor.detach() for target in plan}
     state_dict: dict[str, Any] = {"model": inner} if prefix else inner
-    state.dcp_load(state_dict, path, no_dist=not sharded)
+    dcp_io.dcp_load(state_dict, path, no_dist=not sharded)
     return result
