@@ -4,23 +4,17 @@
   a free port), each starting its local replicas.
 - `run_tf_config_machines`: one plain ``python script`` per machine, with TF_CONFIG naming
   the cluster and that machine's task.
-- `network_namespaces`: two network namespaces joined by a veth pair, each with its own
-  10.x address, so that the machines talk over separate addresses (root and `ip` needed;
-  the caller skips otherwise). Everything it creates is deleted on exit.
+- with `netns` (tests/helpers/cluster.py's nodes), each machine runs on a node of a
+  cluster of network namespaces: its own address, hostname and /etc/hosts.
 
 Every process runs under a timeout; ports are picked by the OS.
 """
-import contextlib
 import json
 import os
-import random
-import shutil
 import socket
 import subprocess
 import sys
 import uuid
-
-import pytest
 
 from tests.helpers import SCRIPTS
 
@@ -107,10 +101,12 @@ def wait_all(machines, timeout=PROCESS_TIMEOUT):
 
 
 def start_torchrun_machines(mode, outdir, nproc, *, nnodes=2, hosts=None, netns=None,
-                            ifnames=None, max_restarts=0, user_flags_only=False, **env):
+                            ifnames=None, max_restarts=0, user_flags_only=False,
+                            is_host_only=False, **env):
     """Starts `nnodes` torchrun agents (node 0 hosts the c10d rendezvous). With
     `user_flags_only`, only the flags a user types are given (no ``--local-addr``, no
-    ``is_host``): torchrun recognises the store's host by its name."""
+    ``is_host``): torchrun recognises the store's host by its name; with `is_host_only`,
+    those and ``--rdzv-conf=is_host=...`` (the documented recipe)."""
     hosts = hosts or ["127.0.0.1"] * nnodes
     port = free_port(hosts[0], netns[0] if netns else None)
     run_id = uuid.uuid4().hex[:12]
@@ -121,8 +117,9 @@ def start_torchrun_machines(mode, outdir, nproc, *, nnodes=2, hosts=None, netns=
                    f"--rdzv-endpoint={hosts[0]}:{port}", f"--rdzv-id={run_id}",
                    f"--max-restarts={max_restarts}", "--monitor-interval=0.5"]
         if not user_flags_only:
-            command[-2:-2] = [f"--rdzv-conf=is_host={'true' if node == 0 else 'false'}",
-                              f"--local-addr={hosts[node]}"]
+            command.append(f"--rdzv-conf=is_host={'true' if node == 0 else 'false'}")
+        if not (user_flags_only or is_host_only):
+            command.append(f"--local-addr={hosts[node]}")
         command += [SCRIPT, mode, str(outdir)]
         extra = dict(env)
         # torch >= 2.4 shares one rendezvous store across restarted rounds; a restarted
@@ -162,48 +159,3 @@ def start_tf_config_machines(mode, outdir, replicas, *, jobs=("worker", "worker"
                                 os.path.join(outdir, f"machine{i}.log"),
                                 netns[i] if netns else None))
     return machines
-
-
-def _ip(*args):
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-
-
-@contextlib.contextmanager
-def network_namespaces():
-    """Two network namespaces joined by a veth pair: yields (namespaces, addresses,
-    interface names). Skips the test where they cannot be made (not root, no `ip`)."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces need root and iproute2")
-    tag = f"{os.getpid() % 100000}{random.randrange(1000)}"
-    names = [f"tsmw{tag}a", f"tsmw{tag}b"]
-    subnet = f"10.{random.randrange(200, 250)}.{random.randrange(1, 250)}"
-    addresses = [f"{subnet}.1", f"{subnet}.2"]
-    ifnames = ["tsveth0", "tsveth1"]  # inside the namespaces only
-    created = []
-    try:
-        steps = []
-        for name in names:
-            steps.append(("netns", "add", name))
-        steps.append(("link", "add", ifnames[0], "netns", names[0], "type", "veth", "peer",
-                      "name", ifnames[1], "netns", names[1]))
-        for name, ifname, address in zip(names, ifnames, addresses):
-            steps += [("-n", name, "addr", "add", f"{address}/24", "dev", ifname),
-                      ("-n", name, "link", "set", ifname, "up"),
-                      ("-n", name, "link", "set", "lo", "up")]
-        for step in steps:
-            result = _ip(*step)
-            if result.returncode != 0:
-                pytest.skip(f"cannot set up network namespaces: ip {' '.join(step)}: "
-                            f"{result.stderr.strip()}")
-            if step[:2] == ("netns", "add"):
-                created.append(step[2])
-        for name in names:  # entering a namespace can still be forbidden (containers)
-            probe = subprocess.run(["ip", "netns", "exec", name, sys.executable, "-c", ""],
-                                   capture_output=True, text=True, timeout=60)
-            if probe.returncode != 0:
-                pytest.skip(f"cannot run a process in a network namespace: "
-                            f"{probe.stderr.strip()}")
-        yield names, addresses, ifnames
-    finally:
-        for name in created:  # deleting a namespace deletes its end of the veth pair
-            _ip("netns", "del", name)

@@ -1,6 +1,7 @@
 """MultiWorkerMirroredStrategy over two "machines" on this one: two torchrun agents
 (``--nnodes=2``), or two ``python train.py`` processes with TF_CONFIG, each running two CPU
-replicas; on loopback, and where possible on two addresses in separate network namespaces.
+replicas, on loopback (tests/multi_worker/test_several_machines.py runs them on machines
+of their own: network namespaces, each with its address, hostname and /etc/hosts).
 
 Four replicas over two machines must train exactly like one device on the same global
 batches (the core equivalence test's model, data and tolerance), with the default
@@ -15,8 +16,8 @@ import torch
 import torchstrategy as ts
 from tests.helpers import ROOT
 from tests.helpers.replicas import assert_same_tensors
-from tests.helpers.multi_machine import (network_namespaces, start_tf_config_machines,
-                           start_torchrun_machines, wait_all)
+from tests.helpers.multi_machine import start_tf_config_machines, start_torchrun_machines, \
+    wait_all
 from tests.core.test_equivalence import single_device_training
 
 pytestmark = pytest.mark.multi_worker
@@ -79,21 +80,6 @@ def test_two_tf_config_machines_train_like_one_device(tmp_path, reference):
     machines = start_tf_config_machines("train", tmp_path, replicas=2,
                                         jobs=("chief", "worker"))
     _check_training(tmp_path, machines, reference, [("chief", 0)] * 2 + [("worker", 0)] * 2)
-
-
-@pytest.mark.parametrize("launcher", ["torchrun", "tf_config"])
-def test_two_machines_on_separate_addresses(tmp_path, reference, launcher):
-    with network_namespaces() as (namespaces, addresses, ifnames):
-        if launcher == "torchrun":
-            machines = start_torchrun_machines("train", tmp_path, nproc=2, hosts=addresses,
-                                               netns=namespaces, ifnames=ifnames)
-            tasks = [("worker", r) for r in range(4)]   # a torchrun task is a process
-        else:
-            machines = start_tf_config_machines("train", tmp_path, replicas=2,
-                                                hosts=addresses, netns=namespaces,
-                                                ifnames=ifnames)
-            tasks = [("worker", 0)] * 2 + [("worker", 1)] * 2
-        _check_training(tmp_path, machines, reference, tasks)
 
 
 def test_the_example_trains_on_two_tf_config_machines(tmp_path):

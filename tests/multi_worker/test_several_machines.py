@@ -63,6 +63,29 @@ def _check_equivalence(outdir, machines, reference):
     return logs
 
 
+def test_the_cluster_starts_shapes_and_leaves_nothing_behind():
+    started = time.monotonic()
+    with cluster(3, rate="2gbit") as made:
+        setup_seconds = time.monotonic() - started
+        for node in made.nodes:
+            qdisc = subprocess.run(["tc", "-n", node.netns, "qdisc", "show", "dev",
+                                    node.ifname], capture_output=True, text=True).stdout
+            assert "tbf" in qdisc and "2Gbit" in qdisc, qdisc
+            assert os.path.exists(f"/etc/netns/{node.netns}/hosts")
+        sleepers = [subprocess.Popen(node.command(["sleep", "600"])) for node in made.nodes]
+        deadline = time.monotonic() + 30
+        while not all(node.pids() for node in made.nodes) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(node.pids() for node in made.nodes)
+        assert made.leftovers() != []
+    closed_after = time.monotonic() - started
+    assert made.leftovers() == []
+    for sleeper in sleepers:
+        assert sleeper.wait(10) == -9   # killed at close
+    print(f"3 shaped nodes: set up in {setup_seconds:.2f} s, all gone {closed_after:.2f} s "
+          "after the start")
+
+
 def test_the_cluster_is_what_a_user_meets(nodes):
     node0, node1 = nodes.nodes
     out = node1.python("import socket; print(socket.gethostname(), "
@@ -103,6 +126,17 @@ def test_torchrun_with_only_the_endpoint_trains_exactly(nodes, tmp_path, referen
     machines = start_torchrun_machines("train", tmp_path, nproc=2,
                                        hosts=["node0", "node1"], netns=nodes.nodes,
                                        user_flags_only=True, **_env())
+    _check_equivalence(tmp_path, machines, reference)
+
+
+def test_torchrun_endpoint_by_address_with_the_is_host_recipe_trains_exactly(
+        nodes, tmp_path, reference):
+    # node0's IP as the endpoint: with Debian's /etc/hosts torchrun recognises it on no
+    # machine, and no agent would host the store (troubleshooting.md). The documented
+    # recipe: is_host=true on node0, false elsewhere; nothing else about the network set.
+    machines = start_torchrun_machines("train", tmp_path, nproc=2,
+                                       hosts=[n.address for n in nodes.nodes],
+                                       netns=nodes.nodes, is_host_only=True, **_env())
     _check_equivalence(tmp_path, machines, reference)
 
 
@@ -147,3 +181,17 @@ def test_advertised_loopback_is_one_error_naming_addresses_and_fix(nodes, tmp_pa
     # No wait for connections that cannot succeed (start-up and exit only).
     assert elapsed < 2 * TIMEOUT, elapsed
     assert not any(node.pids() for node in nodes.nodes)
+
+
+def test_sharded_hybrid_mesh_shards_within_a_node_and_replicates_across(nodes, tmp_path):
+    machines = start_tf_config_machines("sharded", tmp_path, replicas=2,
+                                        hosts=["node0", "node1"], netns=nodes.nodes,
+                                        **_env(ATOL="1e-6"))
+    codes = wait_all(machines, timeout=240)
+    assert codes == [0, 0], "\n\n".join(m.log()[-3000:] for m in machines)
+    for rank in range(4):
+        result = torch.load(os.path.join(tmp_path, f"sharded-rank{rank}.pt"))
+        assert result["replicas"] == 4
+        assert result["placements"] == ["Replicate", "Shard"]
+        # Rows: the machines (replicated across); columns: a machine's replicas (sharded).
+        assert result["mesh"] == [[0, 1], [2, 3]]
