@@ -9,8 +9,8 @@ the machines by hostname, and torchrun with ``--rdzv-endpoint=node0:PORT`` and n
 network flag. Where the machines cannot connect, every process ends within the timeout with
 one error naming the addresses the machines advertised and the fix.
 """
+import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -21,8 +21,8 @@ import torch
 from tests.core.test_equivalence import single_device_training
 from tests.helpers import ROOT
 from tests.helpers.cluster import cluster
-from tests.helpers.multi_machine import start_tf_config_machines, start_torchrun_machines, \
-    wait_all
+from tests.helpers.multi_machine import clean_env, free_port, start_tf_config_machines, \
+    start_torchrun_machines, wait_all
 from tests.helpers.replicas import assert_same_tensors
 
 pytestmark = pytest.mark.multi_worker
@@ -195,3 +195,59 @@ def test_sharded_hybrid_mesh_shards_within_a_node_and_replicates_across(nodes, t
         assert result["placements"] == ["Replicate", "Shard"]
         # Rows: the machines (replicated across); columns: a machine's replicas (sharded).
         assert result["mesh"] == [[0, 1], [2, 3]]
+
+
+_PS_CHIEF = """
+import json, sys
+import torch
+import torchstrategy as ts
+from tests.helpers import ps_cluster as h
+
+x, y = (t.double() for t in h.regression_data(n=32))
+torch.set_default_dtype(torch.float64)
+strategy = ts.ParameterServerStrategy(ts.SimpleClusterResolver(
+    json.loads(sys.argv[1]), task_type="chief", task_id=0), startup_timeout=120)
+torch.manual_seed(0)
+plain = h.Regression()
+with strategy.scope():
+    model = h.Regression()
+model.load_state_dict(plain.state_dict())
+optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+reference = torch.optim.Adam(plain.parameters(), lr=0.01)
+coordinator = ts.ClusterCoordinator(strategy)
+for _ in range(3):  # sequential: each fetch waits, so the steps do not overlap
+    coordinator.schedule(h.train_step, args=(model, optimizer, iter([(x, y)]))).fetch()
+    h.train_step(plain, reference, iter([(x, y)]))
+state = model.state_dict()
+for key, value in plain.state_dict().items():
+    torch.testing.assert_close(state[key], value, atol=1e-6, rtol=0)
+print("equal to one device", flush=True)
+"""
+
+
+def test_parameter_server_on_the_other_node_trains_like_one_device(nodes):
+    # The chief and the worker on node0, the parameter server on node1, the spec naming the
+    # machines by hostname (which resolve to loopback on their own machine).
+    node0, node1 = nodes.nodes
+    port = free_port(netns=node0)
+    spec = json.dumps({"chief": [f"node0:{port}"], "worker": ["node0:1"], "ps": ["node1:2"]})
+    env = clean_env(TORCHSTRATEGY_TIMEOUT_SECONDS=TIMEOUT)
+    servers = [subprocess.Popen(node.command([
+        sys.executable, "-m", "torchstrategy.server", "--cluster_spec", spec, "--task_type",
+        job, "--task_id", "0", "--startup_timeout", "120"]), env=env, cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for node, job in ((node0, "worker"), (node1, "ps"))]
+    chief = subprocess.Popen(node0.command([sys.executable, "-c", _PS_CHIEF, spec]), env=env,
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        out, _ = chief.communicate(timeout=240)
+        assert chief.returncode == 0 and "equal to one device" in out, out[-4000:]
+        # The servers end with their chief (nothing is left on either node).
+        for server in servers:
+            server.wait(timeout=60)
+    finally:
+        for process in servers + [chief]:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()

@@ -148,7 +148,7 @@ def _default_route_interface() -> str | None:
     return None
 
 
-def _own_machine_interface() -> tuple[str, str] | None:
+def outward_interface() -> tuple[str, str] | None:
     """(interface, address) the other machines most likely reach this one at, when its own
     name resolves to loopback: its only non-loopback interface with an IPv4 address that is
     up, else the default route's; None when neither exists."""
@@ -198,7 +198,7 @@ def choose(chief: str) -> Choice | None:
         # its outward interface can be reached by the others.
         if chief == "localhost" or _is_ip(chief) or mine is not None and not is_loopback(mine):
             return None
-        found = _own_machine_interface()
+        found = outward_interface()
         if found is None:
             return None
         return Choice(found[0], found[1],

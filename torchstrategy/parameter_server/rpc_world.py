@@ -19,6 +19,7 @@ network you control (the addresses in the spec), as with TensorFlow's servers.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fcntl
 import ipaddress
@@ -35,6 +36,7 @@ import torch.distributed.rpc as rpc
 
 from torchstrategy import _compat, runtime
 from torchstrategy.cluster_resolver.cluster_spec import ClusterSpec, parse_address
+from torchstrategy.launch import network
 
 JOBS = ("chief", "worker", "ps")
 DEFAULT_RPC_TIMEOUT_SECONDS = 60.0
@@ -144,11 +146,29 @@ def interface_for(host: str) -> str:
 
 # -- rendezvous --------------------------------------------------------------------------
 
-def _bound_listen_fd(host: str, port: int) -> socket.socket:
+def _outward_name(spec: ClusterSpec, host: str) -> tuple[str, str] | None:
+    """(interface, address) the other machines reach this one at, when the spec names this
+    machine `host` by a name that resolves to loopback here (Debian's /etc/hosts maps the
+    hostname to 127.0.1.1) and names other machines too; None otherwise."""
+    if host == "localhost" or not ipaddress.IPv4Address(resolve_ipv4(host)).is_loopback:
+        return None
+    with contextlib.suppress(ValueError):
+        ipaddress.IPv4Address(host)
+        return None   # a loopback IP: the cluster is on this machine
+    hosts = [parse_address(spec.task_address(job, i))[0] for job in spec.jobs
+             for i in spec.task_indices(job)]
+    if all(ipaddress.IPv4Address(resolve_ipv4(h)).is_loopback for h in hosts):
+        return None
+    return network.outward_interface()
+
+
+def _bound_listen_fd(host: str, port: int, spec: ClusterSpec | None = None) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((resolve_ipv4(host), port))
+        # This machine's name mapped to loopback: listen where the others reach it, too.
+        outward = _outward_name(spec, host) if spec is not None else None
+        sock.bind(("0.0.0.0" if outward else resolve_ipv4(host), port))
     except OSError as err:
         sock.close()
         raise OSError(f"Cannot listen on {host}:{port} (the rendezvous address of the cluster "
@@ -165,7 +185,7 @@ def make_store(spec: ClusterSpec, is_host: bool, timeout_seconds: float) -> dist
     if is_host:
         # The store gets a socket already bound to the spec's address, so it listens there
         # only (a TCPStore binds every interface otherwise). The store owns the descriptor.
-        fd = _bound_listen_fd(host, port).detach()
+        fd = _bound_listen_fd(host, port, spec).detach()
         return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                              timeout=timeout, master_listen_fd=fd, use_libuv=False)
     deadline = time.monotonic() + timeout_seconds
@@ -385,7 +405,8 @@ def join(spec: ClusterSpec, job: str, index: int,
         runtime.current().install_once("parameter_server.rendezvous",
                                        _install_rendezvous_handler)
         host, _ = parse_address(spec.task_address(job, index))
-        os.environ["TP_SOCKET_IFNAME"] = interface_for(host)
+        outward = _outward_name(spec, host)
+        os.environ["TP_SOCKET_IFNAME"] = outward[0] if outward else interface_for(host)
         host_task = store_task(spec)
         is_host = (job, index) == host_task
         store = make_store(spec, is_host, startup_timeout)
