@@ -30,108 +30,21 @@ the others, so only the chief's machine needs to see `backup_dir`.
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
-import logging
 import os
 import pickle
-import random
-import sys
 from typing import Any, Iterable, Iterator, Mapping
 
 import torch
-import torch.distributed as dist
-from torch.utils.data import DataLoader
 
-from torchstrategy import context, ownership
-from torchstrategy.checkpoint import remove_stale_temporaries, write_atomically
-from torchstrategy.collectives.communicator import explained_failures
+from torchstrategy.checkpoint import (owning_extended, peers_of, remove_stale_temporaries,
+                                      write_atomically)
+from torchstrategy.collectives.peers import Peers
 from torchstrategy.input.distributed_dataset import DistributedDataset
-
-logger = logging.getLogger("torchstrategy")
+from torchstrategy.resumption import (check_resize, global_batch_size, rng_state,
+                                      set_rng_state)
 
 _FILE = "backup.pt"
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
-def _object_device() -> torch.device | None:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return None
-
-
-def broadcast_from_chief(obj: Any) -> Any:
-    """The chief's `obj` on every replica (a collective when there are several)."""
-    if not _distributed():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, device=_object_device())
-    return box[0]
-
-
-def gather_to_chief(obj: Any) -> list[Any] | None:
-    """Every replica's `obj` on the chief (a list in rank order); None elsewhere."""
-    if not _distributed():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out if dist.get_rank() == 0 else None
-
-
-def _barrier() -> None:
-    if _distributed():
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[torch.cuda.current_device()])
-        else:
-            dist.barrier()
-
-
-def _explained(what: str) -> contextlib.AbstractContextManager[None]:
-    """A failed collective of `what` explained as the strategy's own are: a replica that
-    died (a machine lost under an elastic job) is named, not only the backend's "Connection
-    reset by peer" (`explained_failures`, with the strategy's roll call)."""
-    if not _distributed():
-        return contextlib.nullcontext()
-    diagnose = getattr(getattr(checkpoint_extended(), "communicator", None), "diagnose", None)
-    return explained_failures(what, dist.get_rank(), diagnose)
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's random generators (torch, CUDA if in use, Python, NumPy if imported)
-    as tensors and plain values, which a backup stores and `set_rng_state` restores."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        # Plain values (no ndarray), so the backup loads with weights_only=True.
-        name, keys, position, has_gauss, cached = numpy.random.get_state(legacy=True)
-        state["numpy"] = (str(name), [int(k) for k in keys], int(position), int(has_gauss),
-                          float(cached))
-    return state
-
-
-def set_rng_state(state: Mapping[str, Any] | None) -> None:
-    """Restores what `rng_state` returned (None: nothing was recorded)."""
-    if state is None:  # not recorded (a backup written before any step ran)
-        return
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    if "numpy" in state:
-        import numpy  # optional dependency: saved only when the program had imported it
-
-        name, keys, position, has_gauss, cached = state["numpy"]
-        numpy.random.set_state((name, numpy.asarray(keys, dtype=numpy.uint32), position,
-                                has_gauss, cached))
 
 
 def check_private(directory: str | os.PathLike[str]) -> None:
@@ -148,75 +61,6 @@ def check_private(directory: str | os.PathLike[str]) -> None:
             f"(mode {info.st_mode & 0o777:o}), so someone else could plant a backup in it. "
             f"Use a directory of this job only, or run `chmod go-w {directory}` (and make it "
             "yours) if you trust it.")
-
-
-def checkpoint_extended() -> Any:
-    """The extended of the strategy the checkpointed objects belong to: the one whose scope
-    was entered last (the default strategy when none was). Its `state_dict_for_checkpoint`
-    / `load_state_dict_from_checkpoint` save and load them."""
-    strategy = ownership.live_strategy() or context.get_strategy()
-    return strategy.extended
-
-
-def num_replicas() -> int:
-    """The replicas of this job: one per process of the default group (1 without one)."""
-    return dist.get_world_size() if _distributed() else 1
-
-
-def global_batch_size(data: Any) -> int | None:
-    """Samples per global batch of `data` (a distributed dataset of a DataLoader, or a
-    DataLoader); None when it has no fixed batch size (another iterable)."""
-    if isinstance(data, DistributedDataset):
-        data = data.dataset  # the loader of global batches it distributes
-    if not isinstance(data, DataLoader):
-        return None
-    if data.batch_size is not None:
-        return int(data.batch_size)
-    size = getattr(data.batch_sampler, "batch_size", None)
-    return int(size) if isinstance(size, int) else None
-
-
-def check_resize(written_replicas: int | None, replicas: int,
-                 global_batches: Mapping[str, tuple[int | None, int | None]],
-                 what: str) -> None:
-    """Allows resuming on `replicas` replicas a position written by `written_replicas`.
-
-    The position in the data is kept in global batches (steps), which stay the same samples
-    whatever the number of replicas: only the per-replica batch changes, from
-    ``G / written_replicas`` to ``G / replicas``.
-
-    Args:
-      written_replicas: the replicas of the run that wrote the checkpoint (None: unknown).
-      replicas: this run's replicas.
-      global_batches: ``{name: (G when written, G now)}`` per dataset (None: unknown).
-      what: the checkpoint, for messages.
-
-    Raises:
-      ValueError: a dataset whose global batch size changed (naming both), or, when the
-        number of replicas changed, a global batch that `replicas` does not divide.
-    """
-    for name, (written, now) in global_batches.items():
-        if written is not None and now is not None and written != now:
-            raise ValueError(
-                f"{what} was written with a global batch of {written} samples for {name}, but "
-                f"this run's loader gives global batches of {now}. The position in the data "
-                f"is kept in global batches: keep batch_size={written} (each of the "
-                f"{replicas} replicas then takes {written}/{replicas}), or start afresh.")
-    if written_replicas is None or written_replicas == replicas:
-        return
-    for name, (_, now) in global_batches.items():
-        if now is not None and now % replicas:
-            raise ValueError(
-                f"{what} was written by {written_replicas} replicas and resumes on "
-                f"{replicas}, but the global batch of {name} ({now} samples) does not divide "
-                f"into {replicas} equal per-replica batches. Resume on a number of replicas "
-                f"that divides {now}, or use a global batch that is a multiple of {replicas} "
-                "from the start.")
-    sizes = ", ".join(f"{name}: {now} per global batch, {now // replicas} per replica"
-                      for name, (_, now) in global_batches.items() if now is not None)
-    logger.warning(f"torchstrategy: resuming {what}, written by {written_replicas} replicas, "
-                   f"on {replicas} replicas with the same global batch"
-                   + (f" ({sizes})" if sizes else "") + ".")
 
 
 class BackupAndRestore:
@@ -259,8 +103,16 @@ class BackupAndRestore:
         self._written_replicas: int | None = None
         # the random state when the current epoch's steps began
         self._epoch_rng: dict[str, Any] | None = None
-        if _rank() == 0:
+        if self._peers().is_chief:
             self._open_directory()
+
+    def _extended(self) -> Any:
+        """The extended of the strategy the tracked objects belong to (`owning_extended`)."""
+        return owning_extended(*self._objects.values())
+
+    def _peers(self) -> Peers:
+        """The replicas that back up together (`peers_of` the owning strategy)."""
+        return peers_of(self._extended())
 
     def _open_directory(self) -> None:
         """Checks that only this user can write the directory, and removes temporaries
@@ -302,30 +154,24 @@ class BackupAndRestore:
         return self
 
     def _read(self) -> Any:
-        # weights_only: tensors and plain Python values only; a planted pickle runs nothing.
-        payload = None
-        error: BaseException | None = None
-        if _rank() == 0 and os.path.exists(self.path):
+        """The backup's contents (None: there is none), read by the chief and sent to every
+        replica; every replica raises the chief's error if it could not read it."""
+        def read() -> Any:
+            if not os.path.exists(self.path):
+                return None
             try:
                 check_private(self.backup_dir)
-                payload = torch.load(self.path, map_location="cpu", weights_only=True)
+                # weights_only: tensors and plain values only; a planted pickle runs nothing.
+                return torch.load(self.path, map_location="cpu", weights_only=True)
             except pickle.UnpicklingError as caught:
-                error = pickle.UnpicklingError(
-                    f"The backup {self.path} holds objects other than tensors and plain values "
-                    f"and was not loaded ({str(caught).splitlines()[0]}). It was not written by "
-                    "this version of BackupAndRestore, or someone else wrote it; delete it to "
-                    "start afresh.")
-            except BaseException as caught:  # the broadcast below must still be reached
-                error = caught
-        with _explained("BackupAndRestore's read of the backup"):
-            payload = broadcast_from_chief(("error", None) if error is not None else
-                                            ("ok", payload))
-        if error is not None:
-            raise error
-        if payload[0] == "error":
-            raise RuntimeError(f"The chief could not read the backup in {self.backup_dir}; "
-                               "see its error.")
-        return payload[1]
+                raise pickle.UnpicklingError(
+                    f"The backup {self.path} holds objects other than tensors and plain "
+                    f"values and was not loaded ({str(caught).splitlines()[0]}). It was not "
+                    "written by this version of BackupAndRestore, or someone else wrote it; "
+                    "delete it to start afresh.") from None
+        peers = self._peers()
+        with peers.explained("BackupAndRestore's read of the backup"):
+            return peers.run_on_chief(read)
 
     def _restore(self, payload: dict[str, Any], objects: Mapping[str, Any]) -> None:
         missing = [name for name in objects if name not in payload["objects"]]
@@ -333,7 +179,7 @@ class BackupAndRestore:
             raise KeyError(f"The backup at {self.path} has no state for {missing} (it holds "
                            f"{sorted(payload['objects'])}). Track the same names as the run "
                            "that wrote it, or remove the backup to start afresh.")
-        extended = checkpoint_extended()
+        extended = self._extended()
         for name, obj in objects.items():
             extended.load_state_dict_from_checkpoint(obj, payload["objects"][name])
         if self.restored:
@@ -344,11 +190,11 @@ class BackupAndRestore:
         self._pending_datasets = list(payload["datasets"])
         self._pending_batches = list(payload.get("global_batch_sizes", ()))
         self._written_replicas = payload.get("num_replicas", len(payload["rng"]))
-        world = num_replicas()
+        peers = self._peers()
         # The random states are per replica: restored only onto as many replicas as wrote
         # them (after a resize, each replica keeps the state its program gave it).
-        if len(payload["rng"]) == world:
-            rng = payload["rng"][_rank()]
+        if len(payload["rng"]) == peers.world_size:
+            rng = payload["rng"][peers.rank]
             if self.step == 0:
                 set_rng_state(rng["now"])
             else:
@@ -392,7 +238,7 @@ class BackupAndRestore:
             if index < len(self._pending_datasets):
                 written = self._pending_batches[index] if index < len(
                     self._pending_batches) else None
-                check_resize(self._written_replicas, num_replicas(),
+                check_resize(self._written_replicas, self._peers().world_size,
                              {f"dataset {index}": (written, global_batch_size(data))},
                              f"The backup {self.path}")
                 if self._pending_datasets[index] is not None \
@@ -430,31 +276,25 @@ class BackupAndRestore:
     # -- writing -------------------------------------------------------------------------
     def save(self) -> None:
         """Backs up the tracked objects and the position now (every replica calls it; the
-        chief writes). `epochs` and `steps` call it per `save_freq`."""
-        with _explained("BackupAndRestore's save"):
-            rng = gather_to_chief({"now": rng_state(), "epoch_start": self._epoch_rng})
+        chief writes, and every replica raises the chief's error if it could not).
+        `epochs` and `steps` call it per `save_freq`."""
+        peers = self._peers()
+        with peers.explained("BackupAndRestore's save"):
+            rng = peers.gather_to_chief({"now": rng_state(), "epoch_start": self._epoch_rng})
         # Every replica takes part: a strategy that shards parameters gathers them here.
-        extended = checkpoint_extended()
+        extended = self._extended()
         states = {name: extended.state_dict_for_checkpoint(obj)
                   for name, obj in self._objects.items()}
-        error: BaseException | None = None
-        if _rank() == 0:
-            try:
-                self._write(rng, states)
-            except BaseException as caught:  # the barrier below must still be reached
-                error = caught
-        with _explained("BackupAndRestore's save"):
-            _barrier()
-        if error is not None:
-            raise error
+        with peers.explained("BackupAndRestore's save"):
+            peers.run_on_chief(lambda: self._write(rng, states, peers.world_size))
 
-    def _write(self, rng: list[Any] | None, states: dict[str, Any]) -> None:
+    def _write(self, rng: list[Any] | None, states: dict[str, Any], replicas: int) -> None:
         datasets = [d.state_dict() if callable(getattr(d, "state_dict", None)) else None
                     for d in self._datasets]
         payload = {"epoch": self.epoch, "step": self.step,
                    "global_step": self.global_step,
                    "objects": states,
-                   "datasets": datasets, "rng": rng, "num_replicas": num_replicas(),
+                   "datasets": datasets, "rng": rng, "num_replicas": replicas,
                    "global_batch_sizes": [global_batch_size(d) for d in self._datasets]}
         # Datasets are saved at the start of the epoch in progress (a mid-epoch backup
         # resumes that epoch, whose iteration already advanced their counter).
@@ -465,15 +305,16 @@ class BackupAndRestore:
 
     def delete(self) -> None:
         """Removes the backup (the chief does; every replica calls it)."""
-        if _rank() == 0:
+        def remove() -> None:
             if os.path.exists(self.path):
                 os.unlink(self.path)
             try:
                 os.rmdir(self.backup_dir)
             except OSError:
                 pass  # not empty (the user's files) or already gone
-        with _explained("BackupAndRestore's deletion of the backup"):
-            _barrier()
+        peers = self._peers()
+        with peers.explained("BackupAndRestore's deletion of the backup"):
+            peers.run_on_chief(remove)
 
     def __repr__(self) -> str:
         return (f"BackupAndRestore({self.backup_dir!r}, save_freq={self.save_freq!r}, "

@@ -17,10 +17,10 @@ import tempfile
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from torchstrategy import context
+from torchstrategy import context, module_state, ownership
+from torchstrategy.collectives import peers as peers_lib
 
 # Every checkpoint the library writes is private to its owner: files 0600 (``mkstemp``'s),
 # directories created 0700 (sharded checkpoints: strategies/sharding/state.py).
@@ -30,36 +30,65 @@ DIRECTORY_MODE = 0o700
 _SHARDED_MARKER = ".metadata"
 
 
-class _ProcessGroupFacts:
-    """Outside any scope in a multi-replica program (the usual place for checkpointing)
-    the default strategy is active, yet this process is still one replica of the launched
-    world: take the rank, the barrier and the device from torch.distributed."""
+def owning_extended(*objects: Any) -> Any:
+    """The extended of the strategy the checkpointed `objects` belong to, whose
+    ``state_dict_for_checkpoint`` / ``load_state_dict_from_checkpoint`` save and load them.
 
-    def __init__(self) -> None:
-        self.replica_id = dist.get_rank()
-        nccl = dist.get_backend() == "nccl" and torch.cuda.is_available()
-        self.torch_device = torch.device("cuda", torch.cuda.current_device()) if nccl \
-            else torch.device("cpu")
-        self.communicator = self
+    A module carries its owner (`torchstrategy.module_state`: a module adopted with
+    ``strategy.adopt``, or built in a ShardedStrategy's scope), so a program holding several
+    strategies checkpoints each model through its own, whichever scope was entered last.
+    For objects that carry none (an optimizer alone, a scheduler, a module built in a
+    mirrored scope), the strategy active here (inside a ``scope()``) owns them, else the
+    strategy whose scope was entered last (`ownership.live_strategy`), else the default
+    strategy.
 
-    def host_copy(self, obj: Any) -> Any:
-        return obj
+    Raises:
+      ValueError: `objects` owned by different strategies (save them separately, each
+        through its own).
+    """
+    owners: list[Any] = []
+    for obj in objects:
+        owner = _owner_of(obj)
+        if owner is not None and all(owner is not known for known in owners):
+            owners.append(owner)
+    if len(owners) > 1:
+        raise ValueError(
+            "These objects belong to different strategies (" + ", ".join(
+                type(owner).__name__ for owner in owners) + "), and a checkpoint goes "
+            "through the strategy that owns what it saves: checkpoint each strategy's "
+            "objects separately.")
+    if owners:
+        return owners[0]
+    strategy = context.active_non_default_strategy() or ownership.live_strategy() \
+        or context.get_strategy()
+    return strategy.extended
 
-    def barrier(self) -> None:
-        if self.torch_device.type == "cuda":
-            dist.barrier(device_ids=[self.torch_device.index])
-        else:
-            dist.barrier()
+
+def _owner_of(obj: Any) -> Any:
+    """The extended recorded on `obj` (a module) or on one of its submodules, or None."""
+    if not isinstance(obj, torch.nn.Module):
+        return None
+    for module in obj.modules():
+        state = module_state.state_of(module)
+        if state is not None:
+            return state.owner
+    return None
 
 
-def _strategy_facts() -> tuple[Any, bool]:
-    ext: Any
-    if not context.has_strategy() and dist.is_available() and dist.is_initialized() \
-            and dist.get_world_size() > 1:
-        ext = _ProcessGroupFacts()
-    else:
-        ext = context.get_strategy().extended
-    return ext, ext.replica_id == 0
+def peers_of(extended: Any) -> peers_lib.Peers:
+    """The replicas that checkpoint together under `extended`: its communicator's when it
+    spans several; for the default strategy (outside every scope, the usual place for
+    checkpointing) in a process that is one replica of a launched world, that world's
+    (torch.distributed's default process group); else this process alone."""
+    communicator = extended.communicator
+    if communicator.world_size > 1:
+        return peers_lib.Peers(communicator)
+    if not context.has_strategy() and extended is context.get_strategy().extended:
+        # The default strategy: the launched world's replicas still checkpoint together.
+        live = ownership.live_strategy()
+        diagnose = None if live is None else live.extended.communicator.diagnose
+        return peers_lib.process_group_peers(diagnose)
+    return peers_lib.Peers(communicator)
 
 
 def save(obj: Any, path: str | os.PathLike[str]) -> None:
@@ -67,10 +96,12 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
 
     The file appears atomically: it is written to a temporary file in the same directory,
     flushed to disk and renamed, so a reader (or a crash) never sees a partial checkpoint.
-    Every replica must call this (it ends with a barrier, bounded by the strategy's
-    timeout).
+    Every replica must call this: the other replicas wait for the chief's write (bounded by
+    the strategy's timeout), and raise the chief's error if the write failed.
 
     Raises:
+      OSError (or what else the write raised): on every replica, when the chief could not
+        write `path`.
       TypeError: on every replica, for an `obj` holding a sharded tensor (ShardedStrategy's
         ``model.state_dict()``), naming it and the call that saves it whole.
     """
@@ -85,17 +116,11 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
             "...(optimizer) instead (full tensors, gathered by every replica; load them with "
             "load_state_dict_from_checkpoint), or use strategy.extended.save_checkpoint(path, "
             "model, optimizer) for a sharded directory.")
-    ext, writer = _strategy_facts()
+    ext = owning_extended()
     obj = ext.host_copy(obj)  # TPUStrategy: host tensors, loadable without torch_xla
-    error = None
-    if writer:
-        try:
-            write_atomically(_current_values(obj), path)
-        except BaseException as caught:  # the barrier below must still be reached
-            error = caught
-    ext.communicator.barrier()
-    if error is not None:
-        raise error
+    peers = peers_of(ext)
+    with peers.explained("ts.checkpoint.save"):
+        peers.run_on_chief(lambda: write_atomically(_current_values(obj), path))
 
 
 def _first_sharded(obj: Any, where: str) -> str | None:
@@ -199,6 +224,10 @@ def load(path: str | os.PathLike[str],
                 "its weights alone into any model with ts.load_pretrained(model, path).")
         raise IsADirectoryError(f"{path!r} is a directory, not a checkpoint file.")
     if map_location is None:
-        ext, _ = _strategy_facts()
-        map_location = ext.torch_device or torch.device("cpu")
+        ext = owning_extended()
+        peers = peers_of(ext)
+        # Outside every scope in a launched world: the device of this process's replica.
+        map_location = peers.device if peers.world_size > 1 and \
+            peers.communicator is not ext.communicator \
+            else ext.torch_device or torch.device("cpu")
     return torch.load(path, map_location=map_location, weights_only=weights_only)

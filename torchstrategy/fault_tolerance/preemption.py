@@ -43,13 +43,10 @@ import time
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
-import torch.distributed as dist
 
 from torchstrategy import _compat
-from torchstrategy.backup_and_restore import (broadcast_from_chief, check_resize,
-                                              checkpoint_extended, global_batch_size,
-                                              num_replicas, rng_state, set_rng_state)
-from torchstrategy.checkpoint import remove_stale_temporaries, write_atomically
+from torchstrategy.checkpoint import (owning_extended, peers_of, remove_stale_temporaries,
+                                      write_atomically)
 from torchstrategy.cluster_resolver import ClusterResolver
 from torchstrategy.fault_tolerance.agreement import (LocalAgreement, SaveFailedError,
                                                      StoreAgreement)
@@ -58,6 +55,7 @@ from torchstrategy.fault_tolerance.termination import (RESTART_EXIT_CODE, Termin
                                                        install_default_log_handler)
 from torchstrategy.launch import restart_marker
 from torchstrategy.launch import world as world_lib
+from torchstrategy.resumption import check_resize, global_batch_size, rng_state, set_rng_state
 
 logger = logging.getLogger("torchstrategy")
 
@@ -65,10 +63,6 @@ CHECKPOINT_FILE = "preemption.pt"
 _FORMAT = 1
 # Margin left of a grace period, in units of (two steps + one save), as TensorFlow does.
 _GRACE_MARGIN = 3
-
-
-def _rank() -> int:
-    return dist.get_rank() if num_replicas() > 1 else 0
 
 
 def _check_objects(checkpoint: Any) -> None:
@@ -235,7 +229,11 @@ class PreemptionCheckpointHandler:
         self._exit_fn = termination_config.exit_fn or exit_for_restart
         self._grace = float(termination_config.grace_period or 0)
         self._timeout = world_lib.timeout_seconds()
-        self._is_chief = _rank() == 0
+        # The replicas that save together, over the communicator of the strategy that owns
+        # the objects (`peers_of`); the chief reads and writes the checkpoint.
+        self._extended = owning_extended(*self._objects.values())
+        self._peers = peers_of(self._extended)
+        self._is_chief = self._peers.is_chief
         self._run_calls = 0
         self._round = 0                 # 0: first agreed save; 1: the grace period's last
         self._target: tuple[int, bool] | None = None    # (step, final) agreed for this round
@@ -251,12 +249,13 @@ class PreemptionCheckpointHandler:
         restart_marker.clear_marker()
         nonce = self._restore()
         self._agreement: StoreAgreement | LocalAgreement
-        if num_replicas() > 1:
+        if self._peers.world_size > 1:
             store = _compat.default_store()
             if store is None:
                 raise RuntimeError("PreemptionCheckpointHandler needs the rendezvous store "
                                    "of the default process group, which has none.")
-            self._agreement = StoreAgreement(store, nonce, _rank(), num_replicas())
+            self._agreement = StoreAgreement(store, nonce, self._peers.rank,
+                                             self._peers.world_size)
         else:
             self._agreement = LocalAgreement()
         self._watcher = Watcher(termination_config)
@@ -268,22 +267,24 @@ class PreemptionCheckpointHandler:
         """The checkpoint file."""
         return os.path.join(self._dir, CHECKPOINT_FILE)
 
-    def _read(self) -> tuple[Any, str, tuple[str, str] | None]:
-        """The chief's (payload, nonce, (error class, message)) for everyone: every replica
-        raises the chief's error, none is left waiting in a collective."""
-        payload = error = None
-        if self._is_chief:
+    def _read(self) -> tuple[Any, str]:
+        """The chief's (payload or None, nonce) on every replica; every replica raises the
+        chief's error when it could not check the directory or read the checkpoint (none
+        is left waiting in a collective)."""
+        def read() -> tuple[Any, str]:
             try:
                 _check_directory(self._dir)
                 remove_stale_temporaries(self._dir)  # left by a save killed midway
-                if os.path.exists(self.path):
-                    payload = self._load()
-            except (NotADirectoryError, PermissionError, RuntimeError) as caught:
-                error = (type(caught).__name__, str(caught))
-            except Exception as caught:  # the broadcast below must still be reached
-                error = ("RuntimeError", f"PreemptionCheckpointHandler could not read the "
-                         f"checkpoint in {self._dir} (on the chief): {_first_line(caught)}")
-        return broadcast_from_chief((payload, secrets.token_hex(8), error))
+                payload = self._load() if os.path.exists(self.path) else None
+            except (NotADirectoryError, PermissionError, RuntimeError):
+                raise
+            except Exception as caught:
+                raise RuntimeError(f"PreemptionCheckpointHandler could not read the "
+                                   f"checkpoint in {self._dir} (on the chief): "
+                                   f"{_first_line(caught)}") from caught
+            return payload, secrets.token_hex(8)
+        with self._peers.explained("PreemptionCheckpointHandler's read of the checkpoint"):
+            return self._peers.run_on_chief(read)
 
     def _load(self) -> Any:
         """The chief: the checkpoint file's contents, or a RuntimeError naming the file and
@@ -320,11 +321,7 @@ class PreemptionCheckpointHandler:
         return payload
 
     def _restore(self) -> str:
-        payload, nonce, error = self._read()
-        if error is not None:
-            kind, message = error
-            raise {"NotADirectoryError": NotADirectoryError,
-                   "PermissionError": PermissionError}.get(kind, RuntimeError)(message)
+        payload, nonce = self._read()
         if payload is None:
             return nonce
         objects = payload["objects"]
@@ -335,16 +332,15 @@ class PreemptionCheckpointHandler:
                                f"{missing} (it holds {sorted(objects)}). Give the same names "
                                "as the run that wrote it, or delete it to start afresh.")
         batches = payload.get("global_batch_sizes", {})
-        check_resize(payload.get("num_replicas"), num_replicas(),
+        check_resize(payload.get("num_replicas"), self._peers.world_size,
                      {name: (batches.get(name), global_batch_size(obj))
                       for name, obj in self._objects.items()
                       if batches.get(name) is not None or global_batch_size(obj) is not None},
                      f"The preemption checkpoint {self.path}")
         if objects is not None:
-            extended = checkpoint_extended()
             for name, obj in self._objects.items():
                 try:
-                    extended.load_state_dict_from_checkpoint(obj, objects[name])
+                    self._extended.load_state_dict_from_checkpoint(obj, objects[name])
                 except Exception as caught:  # torch's "size mismatch", "Missing key(s)"
                     raise RuntimeError(
                         f"The preemption checkpoint {self.path} does not fit "
@@ -353,8 +349,8 @@ class PreemptionCheckpointHandler:
                         "configuration. Delete it to start afresh, or point the handler "
                         "at this job's own directory.") from caught
         rng = payload.get("rng") or {}
-        if payload.get("num_replicas") == num_replicas() and _rank() in rng:
-            set_rng_state(rng[_rank()])
+        if payload.get("num_replicas") == self._peers.world_size and self._peers.rank in rng:
+            set_rng_state(rng[self._peers.rank])
         self._run_calls = int(payload["total_run_calls"])
         self.restored = True
         logger.warning(f"torchstrategy: restored the preemption checkpoint {self.path} "
@@ -434,7 +430,7 @@ class PreemptionCheckpointHandler:
             if self._target is None:
                 return
             self._signals_at_target = self._watcher.signals_received
-            logger.warning(f"torchstrategy: replica {_rank()}: the replicas agreed to save "
+            logger.warning(f"torchstrategy: replica {self._peers.rank}: the replicas agreed to save "
                            f"the preemption checkpoint after step {self._target[0]} "
                            f"(this replica has run {self._run_calls})"
                            + ("." if self._target[1] else "; training goes on after it, "
@@ -501,8 +497,8 @@ class PreemptionCheckpointHandler:
         error to raise, with the first reason."""
         if isinstance(error, BaseException):
             error = self._agreement.report_save_failure(
-                self._round, f"replica {_rank()}: {_first_line(error)}")
-        logger.warning(f"torchstrategy: replica {_rank()}: the preemption checkpoint was not "
+                self._round, f"replica {self._peers.rank}: {_first_line(error)}")
+        logger.warning(f"torchstrategy: replica {self._peers.rank}: the preemption checkpoint was not "
                        f"saved ({error}); exiting with the error, not for a restart.")
         return PreemptionSaveError(
             f"PreemptionCheckpointHandler: the preemption checkpoint {self.path} was not "
@@ -521,8 +517,7 @@ class PreemptionCheckpointHandler:
             else:
                 # Every replica takes part: a strategy that shards parameters (or
                 # partitions optimizer state) gathers them here; the chief writes its result.
-                extended = checkpoint_extended()
-                states = {name: extended.state_dict_for_checkpoint(obj)
+                states = {name: self._extended.state_dict_for_checkpoint(obj)
                           for name, obj in self._objects.items()}
         except Exception as error:
             raise self._save_failed(error) from error
@@ -535,7 +530,7 @@ class PreemptionCheckpointHandler:
             except SaveFailedError as failed:
                 raise self._save_failed(str(failed)) from None
             payload = {"format": _FORMAT, "total_run_calls": self._run_calls,
-                       "num_replicas": num_replicas(), "rng": rngs,
+                       "num_replicas": self._peers.world_size, "rng": rngs,
                        "objects": None if save_fn is not None else states,
                        "global_batch_sizes": {name: global_batch_size(obj)
                                               for name, obj in self._objects.items()
@@ -551,7 +546,7 @@ class PreemptionCheckpointHandler:
             try:
                 if self._agreement.wait_saved(self._round, self._wait_bound(),
                                               self._interrupted):
-                    logger.warning(f"torchstrategy: replica {_rank()}: the chief wrote the "
+                    logger.warning(f"torchstrategy: replica {self._peers.rank}: the chief wrote the "
                                    f"preemption checkpoint {self.path} after "
                                    f"{self._run_calls} steps.")
             except SaveFailedError as failed:
@@ -565,15 +560,15 @@ class PreemptionCheckpointHandler:
         # sends to stop the group). If exit_fn returns, training goes on unwatched.
         self._watcher.stop()
         if self._config.exit_fn is None:
-            logger.warning(f"torchstrategy: replica {_rank()}: exiting with code "
+            logger.warning(f"torchstrategy: replica {self._peers.rank}: exiting with code "
                            f"{RESTART_EXIT_CODE} after the preemption checkpoint, for "
                            "torchrun or the scheduler to restart the job.")
         else:
-            logger.warning(f"torchstrategy: replica {_rank()}: calling "
+            logger.warning(f"torchstrategy: replica {self._peers.rank}: calling "
                            "TerminationConfig.exit_fn after the preemption checkpoint.")
         # Tells a `requeue_exit` wrapper that this exit asks for a restart, whatever code
         # the launchers in between end with (torchrun: 1).
-        restart_marker.write_marker(f"replica {_rank()}: preemption checkpoint {self.path} "
+        restart_marker.write_marker(f"replica {self._peers.rank}: preemption checkpoint {self.path} "
                                     f"after {self._run_calls} steps")
         self._exit_fn()
         restart_marker.clear_marker()   # exit_fn returned: no restart was asked for
@@ -585,7 +580,7 @@ class PreemptionCheckpointHandler:
         except Exception as error:
             if isinstance(self._agreement, LocalAgreement):
                 raise
-            mine = f"replica {_rank()}: {type(error).__name__}: {error}"
+            mine = f"replica {self._peers.rank}: {type(error).__name__}: {error}"
             first = self._agreement.report_error(mine)
             if first != mine and not isinstance(error, PreemptionSaveError):
                 raise RuntimeError(f"A step failed on another replica first ({first}); this "

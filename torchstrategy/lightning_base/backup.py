@@ -24,6 +24,7 @@ from typing import Any
 
 from torchstrategy import _compat
 from torchstrategy import backup_and_restore as _backup
+from torchstrategy import checkpoint, resumption
 from torchstrategy.lightning_base import adapter
 
 _FILE = "backup.ckpt"
@@ -120,7 +121,7 @@ class BackupAndRestoreCallback:
         # A backup from the middle of an epoch: applied just before the next step, so
         # the step draws the numbers the interrupted run would have drawn.
         if self._rng_to_apply is not None:
-            _backup.set_rng_state(self._rng_to_apply)
+            resumption.set_rng_state(self._rng_to_apply)
             self._rng_to_apply = None
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
@@ -163,7 +164,11 @@ class BackupAndRestoreCallback:
         # Called on every replica while a checkpoint is made; gathers every
         # replica's generators (the chief writes them all).
         trainer = self._trainer
-        return {"rng": _backup.gather_to_chief(_backup.rng_state()),
+        module = trainer.lightning_module if trainer is not None else None
+        peers = checkpoint.peers_of(checkpoint.owning_extended(module))
+        with peers.explained("BackupAndRestoreCallback's gathering of random states"):
+            rng = peers.gather_to_chief(resumption.rng_state())
+        return {"rng": rng,
                 "at_epoch_end": self._at_epoch_end,
                 "global_step": trainer.global_step if trainer is not None else 0}
 
@@ -185,7 +190,7 @@ class BackupAndRestoreCallback:
         if state_dict["at_epoch_end"]:
             # Applied now, before the Trainer makes the next epoch's data iterator
             # (which draws a seed), as the uninterrupted run did after the backup.
-            _backup.set_rng_state(rng[rank])
+            resumption.set_rng_state(rng[rank])
         else:
             self._rng_to_apply = rng[rank]
         self._restored_global_step = state_dict["global_step"]
