@@ -68,10 +68,10 @@ void bind_reducer(py::module_& m) {
   using torchstrategy::Reducer;
   py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer")
       .def(py::init<int64_t, int64_t, int64_t, std::string, py::object, py::object,
-                    py::object, py::object, py::object>(),
+                    py::object>(),
            py::arg("cap_bytes"), py::arg("first_cap_bytes"), py::arg("world_size"),
-           py::arg("compression"), py::arg("process_group"), py::arg("cross_device_ops"),
-           py::arg("group"), py::arg("hold"), py::arg("finalize_callback"))
+           py::arg("compression"), py::arg("process_group"), py::arg("launch_bucket"),
+           py::arg("finalize_callback"))
       .def("add_parameters", &Reducer::add_parameters)
       .def("build", &Reducer::build)  // releases the GIL itself (see reducer.h)
       .def("set_sync", &Reducer::set_sync)
@@ -84,7 +84,20 @@ void bind_reducer(py::module_& m) {
       .def("average_this_backward", &Reducer::average_this_backward)  // releases the GIL
       .def("bucket_sizes", &Reducer::bucket_sizes)
       .def("bucket_order", &Reducer::bucket_order)
-      .def("bucket_layout", &Reducer::bucket_layout)
+      .def("bucket_layout",
+           [](const Reducer& self) {
+             // Per bucket: (dtype, parameter indices, slot offsets, slot sizes, first
+             // flag, elements of the flat buffer, wire dtype or "").
+             std::vector<std::tuple<std::string, std::vector<int64_t>, std::vector<int64_t>,
+                                    std::vector<int64_t>, int64_t, int64_t, std::string>>
+                 out;
+             for (torchstrategy::BucketInfo& b : self.bucket_layout()) {
+               out.emplace_back(std::move(b.dtype), std::move(b.params),
+                                std::move(b.offsets), std::move(b.numels), b.flags_at,
+                                b.elements, std::move(b.wire));
+             }
+             return out;
+           })
       .def("is_bucket_view", &Reducer::is_bucket_view)
       .def("launches_on_process_group", &Reducer::launches_on_process_group)
       .def("stats", &Reducer::stats);

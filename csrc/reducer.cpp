@@ -66,11 +66,10 @@ std::string layout_key(const at::Tensor& p) {
 
 Reducer::Reducer(int64_t cap_bytes, int64_t first_cap_bytes, int64_t world_size,
                  std::string compression, py::object process_group,
-                 py::object cross_device_ops, py::object group, py::object hold,
-                 py::object finalize_callback)
+                 py::object launch_bucket, py::object finalize_callback)
     : cap_(cap_bytes), first_cap_(first_cap_bytes), world_size_(world_size),
-      cross_device_ops_(std::move(cross_device_ops)), group_(std::move(group)),
-      hold_(std::move(hold)), finalize_callback_(std::move(finalize_callback)) {
+      launch_bucket_(std::move(launch_bucket)),
+      finalize_callback_(std::move(finalize_callback)) {
   if (compression == "bf16") {
     wire_dtype_ = at::kBFloat16;
   } else if (compression == "fp16") {
@@ -91,7 +90,7 @@ Reducer::~Reducer() {
   // The last reference may be a hook's, on an engine thread without the GIL.
   py::gil_scoped_acquire gil;
   for (Bucket& b : buckets_) b.py_work.reset();
-  for (py::object* held : {&cross_device_ops_, &group_, &hold_, &finalize_callback_}) {
+  for (py::object* held : {&launch_bucket_, &finalize_callback_}) {
     *held = py::object();
   }
 }
@@ -288,12 +287,12 @@ std::vector<int64_t> Reducer::bucket_order() const {
   return out;
 }
 
-std::vector<std::tuple<std::string, std::vector<int64_t>, int64_t, std::string>>
-Reducer::bucket_layout() const {
-  std::vector<std::tuple<std::string, std::vector<int64_t>, int64_t, std::string>> out;
+std::vector<BucketInfo> Reducer::bucket_layout() const {
+  std::vector<BucketInfo> out;
   for (const Bucket& b : buckets_) {
-    out.emplace_back(c10::toString(b.dtype), b.numels, b.flat.numel(),
-                     b.wire.defined() ? c10::toString(b.wire.scalar_type()) : "");
+    out.push_back({c10::toString(b.dtype), b.params, b.offsets, b.numels, b.flags_at,
+                   b.flat.numel(),
+                   b.wire.defined() ? c10::toString(b.wire.scalar_type()) : ""});
   }
   return out;
 }
@@ -433,9 +432,8 @@ void Reducer::launch(Bucket& b) {
   } else {
     py::gil_scoped_acquire gil;
     // A fresh alias for Python: the backend may drop its reference after ours.
-    py::object alias = py::cast(wire.alias());
-    hold_(alias);
-    b.py_work = cross_device_ops_.attr("all_reduce_async")(alias, group_);
+    const int64_t index = static_cast<int64_t>(&b - buckets_.data());
+    b.py_work = launch_bucket_(index, py::cast(wire.alias()));
   }
 }
 

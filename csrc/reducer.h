@@ -16,7 +16,7 @@
 //
 // Rules, which every caller follows:
 // - mutex_ may be held while taking the GIL, never the reverse: on_ready() -> launch()
-//   takes the GIL for a Python all_reduce_async with mutex_ held, so a thread holding the
+//   takes the GIL for the Python launch_bucket with mutex_ held, so a thread holding the
 //   GIL releases it before taking mutex_ (build() and mark_ready() do).
 // - Never enqueue a collective or wait on c10d work while holding the GIL: a gloo worker
 //   thread releasing a finished work takes the GIL while holding its queue's lock.
@@ -67,15 +67,27 @@ struct Bucket {
   std::optional<pybind11::object> py_work;  // set and cleared with the GIL held
 };
 
+// One bucket as bucket_layout() describes it.
+struct BucketInfo {
+  std::string dtype;              // c10's name of the dtype ("Float")
+  std::vector<int64_t> params;    // parameter indices, in slot order
+  std::vector<int64_t> offsets;   // each slot's first element, on a 16-byte boundary
+  std::vector<int64_t> numels;    // each slot's elements
+  int64_t flags_at = 0;           // the first "contributed" flag (one per parameter)
+  int64_t elements = 0;           // of the flat buffer, flags included
+  std::string wire;               // the wire dtype's name, or "" when the flat travels
+};
+
 class Reducer : public std::enable_shared_from_this<Reducer> {
  public:
   // Buckets go through `process_group` from C++ when it is not None, else through
-  // `cross_device_ops.all_reduce_async(buffer, group)` (after `hold(buffer)`).
-  // `finalize_callback` is called with the GIL once per backward and must call finalize().
+  // `launch_bucket(bucket index, buffer)`, the Python stage of the pipeline (another
+  // algorithm's all-reduce, or error-feedback compression), which returns a handle with
+  // `wait()`. `finalize_callback` is called with the GIL once per backward and must call
+  // finalize().
   Reducer(int64_t cap_bytes, int64_t first_cap_bytes, int64_t world_size,
           std::string compression, pybind11::object process_group,
-          pybind11::object cross_device_ops, pybind11::object group, pybind11::object hold,
-          pybind11::object finalize_callback);
+          pybind11::object launch_bucket, pybind11::object finalize_callback);
   ~Reducer();
 
   // Registers parameters (hooks included); build() must follow.
@@ -111,9 +123,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // -- inspection ----------------------------------------------------------------------
   std::vector<int64_t> bucket_sizes() const;
   std::vector<int64_t> bucket_order() const;
-  // (dtype name, slot sizes, elements of the flat buffer, wire dtype name or "") per bucket.
-  std::vector<std::tuple<std::string, std::vector<int64_t>, int64_t, std::string>>
-  bucket_layout() const;
+  // Per bucket, in launch order: what a Python stage needs to find each parameter's
+  // gradient in the flat buffer, as build() laid it out (csrc/bucket_layout.h).
+  std::vector<BucketInfo> bucket_layout() const;
   // True when buckets are launched on the c10d process group from C++; false when they go
   // through the cross-device ops' Python all_reduce_async.
   bool launches_on_process_group() const { return static_cast<bool>(process_group_); }
@@ -138,9 +150,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   const int64_t world_size_;
   std::optional<at::ScalarType> wire_dtype_;
   compat::ProcessGroupPtr process_group_;
-  pybind11::object cross_device_ops_;
-  pybind11::object group_;
-  pybind11::object hold_;
+  pybind11::object launch_bucket_;
   pybind11::object finalize_callback_;
 
   std::mutex mutex_;

@@ -8,7 +8,7 @@ below instead.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -28,10 +28,18 @@ def _require_extension() -> None:
         ) from _load_error
 
 
-def make_reducer(*args: Any) -> Any:
-    """A ``torchstrategy._C.Reducer`` (the gradient reducer's hot path, csrc/reducer.cpp)."""
+def make_reducer(cap_bytes: int, first_cap_bytes: int, world_size: int, wire_dtype: str,
+                 process_group: Any, launch_bucket: Callable[[int, torch.Tensor], Any],
+                 finalize_callback: Callable[[], None]) -> Any:
+    """A ``torchstrategy._C.Reducer`` (the gradient reducer's hot path, csrc/reducer.cpp):
+    buckets of at most `cap_bytes` (the first `first_cap_bytes`) over `world_size`
+    replicas, on the wire in `wire_dtype` ("bf16", "fp16" or "" for the buckets' own),
+    launched on the c10d `process_group` or, when None, through ``launch_bucket(bucket
+    index, flat buffer)`` (which returns a handle with ``wait()``); `finalize_callback` is
+    queued on the autograd engine once per backward and must call ``finalize()``."""
     _require_extension()
-    return _C.Reducer(*args)
+    return _C.Reducer(cap_bytes, first_cap_bytes, world_size, wire_dtype, process_group,
+                      launch_bucket, finalize_callback)
 
 
 def pack(flat: torch.Tensor, tensors: Sequence[torch.Tensor | None], offsets: Sequence[int],

@@ -160,11 +160,12 @@ def test_malformed_input_is_refused(order, numels, sizes, keys, message):
 
 
 def test_the_reducer_lays_out_its_buckets_with_this_policy():
-    # Reducer.bucket_layout() reports the slot sizes and the flat buffer's elements: the
-    # slots, then one flag per parameter from the next 16-byte boundary.
+    # Reducer.bucket_layout() reports, per bucket, the parameters, the slots' offsets (each
+    # on a 16-byte boundary) and sizes, where the flags start (one per parameter from the
+    # next 16-byte boundary) and the flat buffer's elements.
     params = [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(5, dtype=torch.float16)),
               nn.Parameter(torch.ones(2, 2)), nn.Parameter(torch.ones(7))]
-    reducer = _C.Reducer(64, 16, 1, "", None, None, None, None, None)
+    reducer = _C.Reducer(64, 16, 1, "", None, None, None)
     reducer.add_parameters(params)
     order = [2, 1, 0, 3]
     reducer.build(order)
@@ -176,7 +177,7 @@ def test_the_reducer_lays_out_its_buckets_with_this_policy():
     assert reducer.bucket_order() == [2, 1, 0, 3]
     assert reducer.bucket_sizes() == [1, 1, 2]
     assert reducer.bucket_layout() == [
-        ("Float", [4], 4 + 1, ""),
-        ("Half", [5], 8 + 1, ""),
-        ("Float", [3, 7], 12 + 2, ""),
+        ("Float", [2], [0], [4], 4, 4 + 1, ""),
+        ("Half", [1], [0], [5], 8, 8 + 1, ""),
+        ("Float", [0, 3], [0, 4], [3, 7], 12, 12 + 2, ""),
     ]

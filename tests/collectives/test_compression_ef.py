@@ -13,7 +13,7 @@ import torch
 import torchstrategy as ts
 from torchstrategy import _ops
 from torchstrategy.collectives.compression import with_compression
-from torchstrategy.collectives.error_feedback import ErrorFeedbackReducer, initial_q
+from torchstrategy.collectives.error_feedback import ErrorFeedbackStage, initial_q
 from torchstrategy.collectives.stats import ReductionStats
 from tests.helpers.replicas import from_every_replica, launch
 
@@ -442,10 +442,10 @@ def test_convergence_script_quick_run(tmp_path):
 
 
 def test_a_state_saved_under_another_compression_is_refused():
-    int8 = ErrorFeedbackReducer(ts.Int8(), lambda: [], lambda: [])
-    powersgd = ErrorFeedbackReducer(ts.PowerSGD(rank=2), lambda: [], lambda: [])
+    int8 = ErrorFeedbackStage(ts.Int8())
+    powersgd = ErrorFeedbackStage(ts.PowerSGD(rank=2))
     with pytest.raises(ValueError, match=r"saved with compression=PowerSGD\(rank=2.*runs "
                                          r"Int8\(chunk_size=1024"):
         int8.load_state_dict(powersgd.state_dict())
-    int8.load_state_dict(ErrorFeedbackReducer(ts.Int8(), lambda: [], lambda: []).state_dict())
+    int8.load_state_dict(ErrorFeedbackStage(ts.Int8()).state_dict())
     assert int8.step == 0

@@ -11,11 +11,14 @@ the replicas' contributions to it, relative.
 
 Error-feedback compression (`PowerSGD`, `Int8`) sends far fewer bytes and keeps what it
 did not send (the residual) to add to the next step's gradient, so that nothing is lost
-over steps; `torchstrategy.collectives.error_feedback` runs it. The classes here only hold
-and check the settings.
+over steps; `torchstrategy.collectives.error_feedback` runs it as a stage of the gradient
+reducer's pipeline, which hands it each bucket as a `GradBucket` (as DDP hands its
+communication hooks a ``GradBucket``). The classes here only hold and check the settings,
+and describe a bucket.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, TypeVar, Union
 
 import torch
@@ -23,6 +26,41 @@ import torch
 _Ops = TypeVar("_Ops")
 
 _WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class GradBucket:
+    """One bucket of the gradient reducer, handed to a stage of its pipeline when every
+    gradient in it is ready: its flat buffer and where each parameter's gradient lives in
+    it, as the C++ core laid it out (csrc/bucket_layout.h: every slot starts on a 16-byte
+    boundary; one "contributed" flag per parameter follows the last slot).
+
+    Attributes:
+      index: the bucket's place in launch order (the same on every replica).
+      buffer: the flat buffer (one dtype and device), reduced in place by the stage.
+      parameters: the parameters whose gradients it holds, in slot order.
+      indices: their registration indices in the reducer (stable across re-bucketing).
+      offsets / numels: each slot's first element and its number of elements.
+      flags_at: the first flag: ``buffer[flags_at + k]`` is 1 where this replica
+        contributed a gradient to parameter k (after a SUM: how many replicas did).
+    """
+
+    index: int
+    buffer: torch.Tensor
+    parameters: tuple[torch.Tensor, ...]
+    indices: tuple[int, ...]
+    offsets: tuple[int, ...]
+    numels: tuple[int, ...]
+    flags_at: int
+
+    def gradient(self, k: int) -> torch.Tensor:
+        """The slot of parameter `k` (slot order), flat: a view into `buffer`."""
+        return self.buffer.narrow(0, self.offsets[k], self.numels[k])
+
+    @property
+    def flags(self) -> torch.Tensor:
+        """The "contributed" flags, one per parameter: a view into `buffer`."""
+        return self.buffer.narrow(0, self.flags_at, len(self.indices))
 
 
 def _check_int(name: str, value: Any, minimum: int, what: str) -> int:

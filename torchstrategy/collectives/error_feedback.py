@@ -1,9 +1,10 @@
 """Error-feedback compression of gradient buckets: `PowerSGD` and `Int8` at work.
 
-The gradient reducer's C++ core hands each bucket (in bucket order) to
-`ErrorFeedbackReducer.all_reduce_async` instead of all-reducing it; the returned handle
-does the compressed reduction when the core waits for it, after backward has finished (so
-compressed buckets do not overlap backward). The core keeps doing everything else as
+`ErrorFeedbackStage` is a stage of the gradient reducer's pipeline: the reducer hands it
+each full bucket (in bucket order) as a `GradBucket` (its flat buffer, parameters, slot
+offsets and flags, as the C++ core laid them out) instead of all-reducing it; the returned
+handle does the compressed reduction when the core waits for it, after backward has
+finished (so compressed buckets do not overlap backward). The core keeps doing everything else as
 without compression: accumulation under ``no_sync``, averaging (`ts.scale_mean_loss`: the
 bucket already holds gradient / N, and the approximation of the sum of those is the
 approximation of the mean), the "contributed" flags at the end of each bucket, and the
@@ -33,29 +34,20 @@ A parameter no replica contributed (flag sum 0) keeps its residual for later; it
 is left as it was by the core.
 
 The state (step counter, residuals, Q matrices) is per replica: residuals differ between
-replicas. `ErrorFeedbackReducer.state_dict` returns this replica's; the reducer's
+replicas. `ErrorFeedbackStage.state_dict` returns this replica's; the reducer's
 ``state_dict`` gathers every replica's, so that a checkpoint written by the chief holds
 them all.
 """
 from __future__ import annotations
 
 import datetime
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from torchstrategy import _ops
-from torchstrategy.collectives.compression import ErrorFeedback, Int8, PowerSGD
-
-
-class BucketSlots(NamedTuple):
-    """Where the parameters of one bucket live in its flat buffer."""
-
-    params: list[int]    # registration indices, in slot order
-    offsets: list[int]   # each slot's first element
-    numels: list[int]
-    flags_at: int        # first of the per-parameter "contributed" flags
+from torchstrategy.collectives.compression import ErrorFeedback, GradBucket, Int8, PowerSGD
 
 
 class _Deferred:
@@ -84,25 +76,22 @@ def initial_q(seed: int, index: int, cols: int, rank: int) -> torch.Tensor:
     return torch.randn(cols, rank, generator=generator)
 
 
-class ErrorFeedbackReducer:
-    """Runs `compression` on the buckets the reducer's core launches (see the module
-    docstring). Used by `GradientReducer` as the core's cross-device ops.
+class ErrorFeedbackStage:
+    """Runs `compression` on the buckets the gradient reducer hands it (see the module
+    docstring), over `group`.
 
     Args:
       compression: a `PowerSGD` or `Int8`.
-      parameters: returns the registered parameters in registration order.
-      layout: returns the current buckets' `BucketSlots`, in launch order.
+      group: the process group of the strategy's replicas (None: the default group).
     """
 
     def __init__(self, compression: ErrorFeedback,
-                 parameters: Callable[[], list[torch.Tensor]],
-                 layout: Callable[[], list[BucketSlots]]) -> None:
+                 group: dist.ProcessGroup | None = None) -> None:
         if not isinstance(compression, (PowerSGD, Int8)):
             raise TypeError(f"compression must be ts.PowerSGD or ts.Int8, got "
                             f"{compression!r}.")
         self.compression = compression
-        self._parameters = parameters
-        self._layout_fn = layout
+        self._group = group
         self.step = 0                                   # synchronised steps so far
         self.residuals: dict[int, torch.Tensor] = {}    # registration index -> float32
         # PowerSGD: index -> Q^T (rank x cols, contiguous). For the skinny product M Q (M
@@ -113,26 +102,19 @@ class ErrorFeedbackReducer:
         # Int8 keeps each bucket's residuals in one flat buffer (the kernel's input); the
         # per-parameter entries of `residuals` are views into it.
         self._flat_residuals: dict[int, tuple[Any, torch.Tensor]] = {}
-        self._bucket = 0
-        self._layout: list[BucketSlots] = []
-        self._params: list[torch.Tensor] = []
         self._step_bytes = [0, 0]   # sent, uncompressed equivalent
         self.last_bytes = (0, 0)
 
-    # -- called by the reducer's core, per bucket in launch order -----------------------
-    def all_reduce_async(self, flat: torch.Tensor, group: dist.ProcessGroup | None
-                         ) -> _Deferred:
-        if self._bucket == 0:
-            self._layout = self._layout_fn()
-            self._params = self._parameters()
+    # -- called by the reducer, per bucket in launch order -------------------------------
+    def launch(self, bucket: GradBucket) -> _Deferred:
+        """Takes `bucket` (full: every gradient in it is ready); its compressed reduction
+        runs when the returned handle is waited for."""
+        if bucket.index == 0:
             self._step_bytes = [0, 0]
-        slots = self._layout[self._bucket]
-        self._bucket += 1
-        return _Deferred(lambda: self._reduce(flat, slots, group))
+        return _Deferred(lambda: self._reduce(bucket))
 
     def end_step(self, synced: bool) -> None:
-        """Called after the core's finalisation: the next launch is bucket 0 again."""
-        self._bucket = 0
+        """Called after the reducer's finalisation: counts a synchronised step."""
         if synced:
             self.step += 1
             self.last_bytes = (self._step_bytes[0], self._step_bytes[1])
@@ -140,28 +122,26 @@ class ErrorFeedbackReducer:
     def _sent(self, *tensors: torch.Tensor) -> None:
         self._step_bytes[0] += sum(t.numel() * t.element_size() for t in tensors)
 
-    def _reduce(self, flat: torch.Tensor, slots: BucketSlots,
-                group: dist.ProcessGroup | None) -> None:
+    def _reduce(self, bucket: GradBucket) -> None:
+        flat = bucket.buffer
         self._step_bytes[1] += flat.numel() * flat.element_size()
         if self.step < self.compression.warmup_steps:
-            dist.all_reduce(flat, group=group)
+            dist.all_reduce(flat, group=self._group)
             self._sent(flat)
             return
         with torch.no_grad():
             if isinstance(self.compression, PowerSGD):
-                self._power_sgd(self.compression, flat, slots, group)
+                self._power_sgd(self.compression, bucket)
             else:
                 assert isinstance(self.compression, Int8)
-                self._int8(self.compression, flat, slots, group)
+                self._int8(self.compression, bucket)
 
     # -- PowerSGD -----------------------------------------------------------------------
-    def _power_sgd(self, algo: PowerSGD, flat: torch.Tensor, slots: BucketSlots,
-                   group: dist.ProcessGroup | None) -> None:
-        count = len(slots.params)
-        flags = flat.narrow(0, slots.flags_at, count)
-        matrix = [algo.compresses(self._params[i].shape) for i in slots.params]
-        plain = [flat.narrow(0, o, n) for o, n, m in
-                 zip(slots.offsets, slots.numels, matrix) if not m] + [flags]
+    def _power_sgd(self, algo: PowerSGD, bucket: GradBucket) -> None:
+        flat, group = bucket.buffer, self._group
+        flags = bucket.flags
+        matrix = [algo.compresses(p.shape) for p in bucket.parameters]
+        plain = [bucket.gradient(k) for k, m in enumerate(matrix) if not m] + [flags]
         numels = [t.numel() for t in plain]
         offsets = [sum(numels[:k]) for k in range(len(numels))]
         buffer = torch.empty(sum(numels), dtype=flat.dtype, device=flat.device)
@@ -177,13 +157,12 @@ class ErrorFeedbackReducer:
         # costs page faults on top (measured: 3-5x slower for GPT-2's 50257 x 768 matrix).
         # The last pass (residual and output) is one fused kernel (csrc/powersgd_ops.h).
         work = []   # (index, view, M, Q^T)
-        for k, i in enumerate(slots.params):
+        for k, i in enumerate(bucket.indices):
             if not matrix[k] or not used[k]:
                 continue
-            shape = self._params[i].shape
-            rows = int(shape[0])
-            cols = slots.numels[k] // rows
-            view = flat.narrow(0, slots.offsets[k], slots.numels[k]).view(rows, cols)
+            rows = int(bucket.parameters[k].shape[0])
+            cols = bucket.numels[k] // rows
+            view = bucket.gradient(k).view(rows, cols)
             residual = self.residuals.get(i)
             if residual is None:
                 residual = torch.zeros(rows * cols, dtype=torch.float32, device=view.device)
@@ -230,58 +209,50 @@ class ErrorFeedbackReducer:
             self.q_ts[i] = q_t.clone()
 
     # -- Int8 ---------------------------------------------------------------------------
-    def _bucket_residual(self, bucket: int, slots: BucketSlots,
-                         device: torch.device) -> torch.Tensor:
+    def _bucket_residual(self, bucket: GradBucket) -> torch.Tensor:
         """The bucket's flat float32 residual; after a re-bucketing (or a loaded state)
         every parameter's residual is moved into the new layout."""
-        signature = (tuple(slots.params), tuple(slots.offsets), slots.flags_at)
-        cached = self._flat_residuals.get(bucket)
+        signature = (bucket.indices, bucket.offsets, bucket.flags_at)
+        cached = self._flat_residuals.get(bucket.index)
         if cached is not None and cached[0] == signature:
             return cached[1]
-        buffer = torch.zeros(slots.flags_at, dtype=torch.float32, device=device)
-        for i, o, n in zip(slots.params, slots.offsets, slots.numels):
+        buffer = torch.zeros(bucket.flags_at, dtype=torch.float32,
+                             device=bucket.buffer.device)
+        for i, o, n in zip(bucket.indices, bucket.offsets, bucket.numels):
             view = buffer.narrow(0, o, n)
             old = self.residuals.get(i)
             if old is not None:
                 view.copy_(old.reshape(-1))
             self.residuals[i] = view
-        self._flat_residuals[bucket] = (signature, buffer)
+        self._flat_residuals[bucket.index] = (signature, buffer)
         return buffer
 
-    def _int8(self, algo: Int8, flat: torch.Tensor, slots: BucketSlots,
-              group: dist.ProcessGroup | None) -> None:
-        count = len(slots.params)
-        flags = flat.narrow(0, slots.flags_at, count)
+    def _int8(self, algo: Int8, bucket: GradBucket) -> None:
+        flat, group, size = bucket.buffer, self._group, bucket.flags_at
+        flags = bucket.flags
         dist.all_reduce(flags, group=group)
         self._sent(flags)
         used = (flags > 0).tolist()
-        bucket = self._bucket_index(slots)
-        residual = self._bucket_residual(bucket, slots, flat.device)
+        residual = self._bucket_residual(bucket)
         # A parameter no replica contributed sends nothing: its residual waits.
         kept = [(residual.narrow(0, o, n), residual.narrow(0, o, n).clone())
-                for o, n, u in zip(slots.offsets, slots.numels, used) if not u]
+                for o, n, u in zip(bucket.offsets, bucket.numels, used) if not u]
         for view, _ in kept:
             view.zero_()
-        data = flat.narrow(0, 0, slots.flags_at)
-        chunks = (slots.flags_at + algo.chunk_size - 1) // algo.chunk_size
-        q = torch.empty(slots.flags_at, dtype=torch.int8, device=flat.device)
+        data = flat.narrow(0, 0, size)
+        chunks = (size + algo.chunk_size - 1) // algo.chunk_size
+        q = torch.empty(size, dtype=torch.int8, device=flat.device)
         scales = torch.empty(chunks, dtype=torch.float32, device=flat.device)
         _ops.ef_quantize_int8(data, residual, q, scales, algo.chunk_size)
         for view, saved in kept:
             view.copy_(saved)
         world = dist.get_world_size(group)
-        all_q = torch.empty(world, slots.flags_at, dtype=torch.int8, device=flat.device)
+        all_q = torch.empty(world, size, dtype=torch.int8, device=flat.device)
         all_scales = torch.empty(world, chunks, dtype=torch.float32, device=flat.device)
         dist.all_gather(list(all_q.unbind(0)), q, group=group)
         dist.all_gather(list(all_scales.unbind(0)), scales, group=group)
         self._sent(q, scales)
         _ops.dequantize_sum(all_q, all_scales, data, algo.chunk_size)
-
-    def _bucket_index(self, slots: BucketSlots) -> int:
-        for b, s in enumerate(self._layout):
-            if s is slots:
-                return b
-        raise AssertionError("bucket not in the current layout")
 
     # -- checkpoints --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

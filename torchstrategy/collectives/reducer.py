@@ -26,10 +26,16 @@ How it works (the design DDP's reducer made standard):
   waits for every all-reduce, and settles ``.grad`` before ``backward()`` returns.
 - With compression (``ts.NcclAllReduce(compression="bf16")``) a bucket is cast into a
   half-size wire buffer by a fused kernel, all-reduced, and cast back.
-- With error-feedback compression (``compression=ts.PowerSGD(rank=4)`` or ``ts.Int8()``)
-  the core hands each bucket to an `ErrorFeedbackReducer` instead
-  (`torchstrategy.collectives.error_feedback`), which reduces it compressed when the core
-  waits for it, after backward (no overlap with backward's computation).
+- The reduction of a full bucket is the pipeline's one replaceable stage. By default the
+  core launches the all-reduce on the c10d process group itself. Otherwise it calls the
+  reducer's `_launch_bucket(index, buffer)`, which hands the stage the bucket as a
+  `GradBucket` (its buffer, parameters, slot offsets and flags, from the layout the core
+  computed: DDP's ``GradBucket``): error-feedback compression
+  (``compression=ts.PowerSGD(rank=4)`` or ``ts.Int8()``: an `ErrorFeedbackStage`,
+  `torchstrategy.collectives.error_feedback`, which reduces it compressed when the core
+  waits for it, after backward: no overlap with backward's computation), or another
+  algorithm's ``all_reduce_async`` (``ts.ReductionToOneDevice``, ``ts.HierarchicalCopyAllReduce``,
+  ``NcclAllReduce(num_packs=k)``).
 
 Each bucket carries one extra element per parameter: 1 if this replica contributed a
 gradient for it. After the all-reduce that count tells whether *any* replica did; a
@@ -46,8 +52,8 @@ locally; the next synchronised backward sums everything accumulated since.
 The hot path is C++ (``csrc/reducer.cpp``, the bucket layout in ``csrc/bucket_layout.cpp``;
 ``torchstrategy._C.Reducer``): the hooks, the bookkeeping, the launches through the c10d
 process group (or through a Python `CrossDeviceOps`' ``all_reduce_async`` when the strategy
-uses another algorithm) and the settling of gradients; Python runs once per backward, to
-explain collective failures.
+uses another algorithm or compression stage) and the settling of gradients; Python runs
+once per backward, to explain collective failures.
 
 Averaging (DDP's convention, `torchstrategy.scale_mean_loss`). A backward that calls
 `GradientReducer.average_this_backward` (from an autograd node: the mean loss's) leaves the
@@ -73,14 +79,20 @@ import torch
 
 from torchstrategy import _compat, _ops, module_state, runtime
 from torchstrategy.collectives.communicator import Communicator, explained_failures
-from torchstrategy.collectives.compression import ErrorFeedback, check_runs_error_feedback
-from torchstrategy.collectives.cross_device_ops import CrossDeviceOps, NcclAllReduce
-from torchstrategy.collectives.error_feedback import BucketSlots, ErrorFeedbackReducer
+from torchstrategy.collectives.compression import (ErrorFeedback, GradBucket,
+                                                   check_runs_error_feedback)
+from torchstrategy.collectives.cross_device_ops import CrossDeviceOps, NcclAllReduce, Pending
+from torchstrategy.collectives.error_feedback import ErrorFeedbackStage
 from torchstrategy.collectives.stats import ReductionStats
 
 DEFAULT_BUCKET_CAP_BYTES = 25 * 1024 * 1024
 
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
+
+
+# A bucket as the C++ core lays it out: (dtype, parameter indices, slot offsets, slot
+# sizes, first flag, elements of the flat buffer, wire dtype or "").
+_CoreBucket = tuple[str, list[int], list[int], list[int], int, int, str]
 
 
 def _process_group_for_cpp(cross_device_ops: CrossDeviceOps,
@@ -118,16 +130,19 @@ class GradientReducer:
         self._index: module_state.IdentityMap[torch.Tensor, int] = module_state.IdentityMap()
         cross_device_ops = communicator.cross_device_ops
         self._compression = getattr(cross_device_ops, "compression", None)
-        self._error_feedback: ErrorFeedbackReducer | None = None
-        launcher: Any = cross_device_ops
+        # The stage that reduces a full bucket when the core does not launch it on the
+        # process group itself: error-feedback compression, or the algorithm's Python
+        # all_reduce_async.
+        self._error_feedback: ErrorFeedbackStage | None = None
+        self._stage: Callable[[GradBucket], Pending]
         if isinstance(self._compression, ErrorFeedback):
             check_runs_error_feedback(cross_device_ops, self._compression)
-            # Weak references: the C++ core holds the launcher, which must not keep this
-            # object alive either.
-            me = weakref.ref(self)
-            self._error_feedback = launcher = ErrorFeedbackReducer(
-                self._compression, lambda: me()._params,  # type: ignore[union-attr]
-                lambda: me()._bucket_slots())  # type: ignore[union-attr]
+            self._error_feedback = ErrorFeedbackStage(self._compression, communicator.group)
+            self._stage = self._error_feedback.launch
+        else:
+            self._stage = lambda bucket: cross_device_ops.all_reduce_async(
+                bucket.buffer, communicator.group)
+        self._layout: list[_CoreBucket] = []     # the core's buckets, in launch order
         wire = self._compression if isinstance(self._compression, str) else ""
         this = weakref.ref(self)   # the C++ reducer must not keep this object alive
 
@@ -136,9 +151,16 @@ class GradientReducer:
             if reducer is not None:
                 reducer._finalize()
 
+        def launch_bucket(index: int, buffer: torch.Tensor) -> Pending:
+            reducer = this()
+            if reducer is None:
+                raise RuntimeError("torchstrategy: a bucket was launched after its gradient "
+                                   "reducer was garbage-collected.")
+            return reducer._launch_bucket(index, buffer)
+
         make = lambda process_group, cap=bucket_cap_bytes, first=first_bucket_bytes: \
-            _ops.make_reducer(int(cap), int(first), communicator.world_size,
-            wire, process_group, launcher, communicator.group, communicator.hold, finalize)
+            _ops.make_reducer(int(cap), int(first), communicator.world_size, wire,
+                              process_group, launch_bucket, finalize)
         process_group = None if self._error_feedback is not None else \
             _process_group_for_cpp(cross_device_ops, communicator.group)
         try:
@@ -181,8 +203,14 @@ class GradientReducer:
             new.append(p)
         if new:
             self._core.add_parameters(new)
-            self._core.build(list(reversed(range(len(self._params)))))
+            self._build(list(reversed(range(len(self._params)))))
             self._core.start_recording()
+
+    def _build(self, order: list[int]) -> None:
+        """Lays the parameters out into buckets in `order` (the core does) and keeps the
+        layout the core returns, which the stages' `GradBucket` are made from."""
+        self._core.build(order)
+        self._layout = [tuple(bucket) for bucket in self._core.bucket_layout()]
 
     def _rebuild_from_arrival(self, arrival: Iterable[int]) -> None:
         """Rebuilds the buckets in the order gradients arrived in the first synchronised
@@ -196,7 +224,7 @@ class GradientReducer:
                 order.append(i)
         order += [i for i in reversed(range(len(self._params))) if i not in seen]
         (agreed,) = self._comm.broadcast_([torch.tensor(order, dtype=torch.int64)], src=0)
-        self._core.build(agreed.tolist())
+        self._build(agreed.tolist())
 
     def rebucket(self, bucket_cap_bytes: int, first_bucket_bytes: int | None = None) -> None:
         """Re-buckets the registered parameters with new caps, keeping the bucket (launch)
@@ -216,10 +244,11 @@ class GradientReducer:
         core = self._make_core(int(bucket_cap_bytes), first)
         if self._params:
             core.add_parameters(self._params)
-            core.build(old.bucket_order())
         core.set_sync(old.sync())
         self._earlier_steps += old.stats()[3]
         self._core, self._cap, self._first_cap = core, int(bucket_cap_bytes), first
+        if self._params:
+            self._build(old.bucket_order())
 
     def on_synced_step(self, callback: Callable[[], None]) -> None:
         """Calls `callback()` at the end of every synchronised backward, after the
@@ -268,7 +297,8 @@ class GradientReducer:
 
     def bucket_layout(self) -> list[tuple[str, list[int], int, str]]:
         """Per bucket: (dtype name, slot sizes, elements of its buffer, wire dtype or "")."""
-        return self._core.bucket_layout()
+        return [(dtype, list(numels), elements, wire)
+                for dtype, _, _, numels, _, elements, wire in self._layout]
 
     def is_bucket_view(self, param: torch.Tensor) -> bool:
         """True when ``param.grad`` lives in its bucket (no copy at the next all-reduce)."""
@@ -294,25 +324,16 @@ class GradientReducer:
                               compression=compression, steps=steps + self._earlier_steps,
                               compression_ratio=ratio, bucket_cap_bytes=self._cap)
 
-    def _bucket_slots(self) -> list[BucketSlots]:
-        """Where each parameter lives in its bucket's flat buffer, bucket by bucket in
-        launch order (the layout csrc/bucket_layout.cpp computes: every slot starts on a
-        16-byte boundary, the flags follow the last slot, aligned)."""
-        order = self._core.bucket_order()
-        out = []
-        at = 0
-        for size, (_, numels, elements, _) in zip(self._core.bucket_sizes(),
-                                                  self._core.bucket_layout()):
-            params = order[at:at + size]
-            at += size
-            step = max(1, 16 // self._params[params[0]].element_size())
-            offsets = []
-            end = 0
-            for n in numels:
-                offsets.append(-(-end // step) * step)
-                end = offsets[-1] + n
-            out.append(BucketSlots(params, offsets, list(numels), elements - size))
-        return out
+    def _launch_bucket(self, index: int, buffer: torch.Tensor) -> Pending:
+        """The core's call for full bucket `index` (launch order) whose flat `buffer` it
+        does not reduce itself: held until the backend lets go of it, then handed to the
+        stage with its layout."""
+        self._comm.hold(buffer)
+        _, indices, offsets, numels, flags_at, _, _ = self._layout[index]
+        return self._stage(GradBucket(
+            index=index, buffer=buffer, parameters=tuple(self._params[i] for i in indices),
+            indices=tuple(indices), offsets=tuple(offsets), numels=tuple(numels),
+            flags_at=flags_at))
 
     # -- error-feedback state -----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
