@@ -301,6 +301,15 @@ def two_replicas(path, saved, backup_dir):
     for p, q in zip(accumulating.parameters(), reference_model.parameters()):
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, atol=ATOL, rtol=0)
 
+    # The one moment a model is sharded: when the outermost scope exits (not while it is
+    # open, not at a nested scope's exit); what the handling adds is on `extended`.
+    with strategy.scope():
+        with strategy.scope():
+            pending = build("mlp")
+        assert not any(isinstance(p, DTensor) for p in pending.parameters())
+    assert all(isinstance(p, DTensor) for p in pending.parameters())
+    assert strategy.extended.mesh is strategy.extended.parameters.mesh
+
     # Options: keep gathered parameters between forward and backward, offload to host.
     check_equal_to_one_device(
         ts.ShardedStrategy(reshard_after_forward=False, cpu_offload=True,
