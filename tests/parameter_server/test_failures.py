@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -175,3 +176,30 @@ def test_servers_started_by_flags_exit_when_the_chief_dies():
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+def test_no_coordinator_thread_outlives_the_rpc_agent():
+    # Issue 36, item 13: a worker thread of the coordinator, waiting for a lost worker to
+    # rejoin, went on using rpc after the cluster was left: "Current RPC agent is not set"
+    # in a thread (PytestUnhandledThreadExceptionWarning).
+    raised = []
+    previous = threading.excepthook
+    threading.excepthook = lambda args: raised.append(
+        f"{args.thread.name}: {args.exc_type.__name__}: {args.exc_value}")
+    try:
+        with ts.parameter_server.local_cluster(num_workers=2, num_ps=1) as cluster:
+            strategy = ts.ParameterServerStrategy(cluster)
+            coordinator = ts.ClusterCoordinator(strategy)
+            coordinator.fetch([coordinator.schedule(h.whoami) for _ in range(4)])
+            cluster.kill("worker", 1)
+            # worker:1's thread finds it gone at its next closure, then waits for it.
+            coordinator.fetch([coordinator.schedule(h.whoami) for _ in range(8)])
+            threads = [t for t in threading.enumerate()
+                       if t.name.startswith("torchstrategy-worker")]
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(t.is_alive() for t in threads):
+            time.sleep(0.1)
+        assert not any(t.is_alive() for t in threads), [t.name for t in threads if t.is_alive()]
+    finally:
+        threading.excepthook = previous
+    assert raised == []

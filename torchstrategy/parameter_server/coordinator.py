@@ -336,14 +336,21 @@ class _Worker:
 
     def _loop(self) -> None:
         queue = self._coordinator.closure_queue
-        while not queue.stopped:
-            if not self.alive:
-                self._await_rejoin()
-                continue
-            closure = queue.take()
-            if closure is None:
-                return
-            self._run(closure)
+        try:
+            while not queue.stopped:
+                if not self.alive:
+                    self._await_rejoin()
+                    continue
+                closure = queue.take()
+                if closure is None:
+                    return
+                self._run(closure)
+        except Exception:
+            # The cluster was left while this thread was between checks (the queue stops
+            # before the rpc agent shuts down): its rpc calls now fail ("Current RPC agent
+            # is not set"), and there is nothing left to do or to report.
+            if not queue.stopped:
+                raise
 
     def _run(self, closure: _Closure) -> None:
         coordinator = self._coordinator

@@ -253,7 +253,8 @@ class Membership:
         self._leave_callbacks: list[Callable[[], Any]] = []
 
     def on_leave(self, callback: Callable[[], Any]) -> None:
-        """Calls `callback()` once this process has left the rpc world (`leave`)."""
+        """Calls `callback()` when this process leaves the rpc world (`leave`), before its
+        agent shuts down: threads that use rpc are told to stop while it still works."""
         self._leave_callbacks.append(callback)
 
     def run_leave_callbacks(self) -> None:
@@ -439,6 +440,7 @@ def leave() -> None:
         membership = state.membership
         if membership is None:
             return
+        membership.run_leave_callbacks()
         done = threading.Event()
 
         def shutdown() -> None:
@@ -454,4 +456,3 @@ def leave() -> None:
                          daemon=True).start()
         done.wait(10.0)
         state.membership = None
-    membership.run_leave_callbacks()
