@@ -101,6 +101,7 @@ class RollCall:
         store = runtime.current().rendezvous_store()
         if store is None:
             return ""
+        start = time.monotonic()
         missing = self.missing_replicas(rank, store)
         if missing is None:
             return (f"The rendezvous store is unreachable: {self.name_of_rank(0)}, whose "
@@ -109,7 +110,9 @@ class RollCall:
             return ("Every replica is still running (one of them issued a different "
                     "collective).")
         try:
-            notes = _end_notes(store, missing)
+            # What is left of `describe_missing`'s bound, less a second, for exit codes.
+            notes = _end_notes(store, missing, self.wait_seconds + _STORE_GRACE_SECONDS - 1.0
+                               - (time.monotonic() - start))
             finished = [r for r in missing if not notes.get(r) and _finished(store, r)]
         except (RuntimeError, OSError):
             notes, finished = {}, []
@@ -123,8 +126,7 @@ class RollCall:
             sentences.append(
                 f"{names[:1].upper()}{names[1:]} ended "
                 f"{'its program' if len(finished) == 1 else 'their programs'} (no uncaught "
-                f"exception: returned, or called sys.exit) while replica {rank} still waited "
-                "in a collective: usually the "
+                f"exception) while replica {rank} still waited in a collective: usually the "
                 "replicas ran different numbers of steps or collectives (uneven input). Give "
                 "every replica the same number of batches (the same dataset length, or "
                 "drop_remainder=True) and call reduce / gather the same number of times on "
@@ -136,7 +138,7 @@ class RollCall:
         return " ".join(sentences)
 
 
-def _end_notes(store: dist.Store, ranks: list[int], wait_seconds: float = 10.0
+def _end_notes(store: dist.Store, ranks: list[int], wait_seconds: float
                ) -> dict[int, str]:
     """How each of `ranks` ended, where that was written (`world_lib.ENDED_KEY`: "raised
     KeyError: 'x'", "exited with code 3"; empty: exit code 0). Where a launcher records

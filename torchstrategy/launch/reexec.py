@@ -528,6 +528,7 @@ class Supervisor:
         if self.failure is None:
             return
         rank, code = self.failure
+        self._record_end(rank, code)  # if the watch thread has not yet
         follows = (" Replica 0's error above follows from it: fix that replica's."
                    if self.main_failed else "")
         print(f"torchstrategy: replica {rank} {self._how_it_ended(rank, code)}; the job exits "
