@@ -41,6 +41,7 @@ them all.
 from __future__ import annotations
 
 import datetime
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -104,6 +105,7 @@ class ErrorFeedbackStage:
         self._flat_residuals: dict[int, tuple[Any, torch.Tensor]] = {}
         self._step_bytes = [0, 0]   # sent, uncompressed equivalent
         self.last_bytes = (0, 0)
+        self._compressed_in_step = False   # PowerSGD sent a matrix as P and Q this step
 
     # -- called by the reducer, per bucket in launch order -------------------------------
     def launch(self, bucket: GradBucket) -> _Deferred:
@@ -115,6 +117,16 @@ class ErrorFeedbackStage:
 
     def end_step(self, synced: bool) -> None:
         """Called after the reducer's finalisation: counts a synchronised step."""
+        if synced and isinstance(self.compression, PowerSGD) and \
+                self.step == self.compression.warmup_steps and not self._compressed_in_step:
+            # Once, at the first compressing step: an accepted rank that compresses
+            # nothing would otherwise pass for compression.
+            warnings.warn(
+                f"{self.compression!r} compresses none of this model's gradients: a "
+                "gradient of n x m travels as P and Q only when rank * (n + m) < n * m, so "
+                "every gradient went uncompressed, with error feedback's work on top. Use a "
+                "smaller rank (4 to 32 is usual).", RuntimeWarning, stacklevel=2)
+        self._compressed_in_step = False
         if synced:
             self.step += 1
             self.last_bytes = (self._step_bytes[0], self._step_bytes[1])
@@ -141,6 +153,7 @@ class ErrorFeedbackStage:
         flat, group = bucket.buffer, self._group
         flags = bucket.flags
         matrix = [algo.compresses(p.shape) for p in bucket.parameters]
+        self._compressed_in_step |= any(matrix)
         plain = [bucket.gradient(k) for k, m in enumerate(matrix) if not m] + [flags]
         numels = [t.numel() for t in plain]
         offsets = [sum(numels[:k]) for k in range(len(numels))]
