@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing.forkserver
+import os
 import sys
 import types
 from typing import Any, Callable
@@ -284,3 +285,54 @@ def lightning_restore_from_checkpoint(trainer: Any, path: str) -> None:
     checkpoint connector is private in every release. ``weights_only=True``: a backup holds
     tensors and plain values only (RNG states included), so a planted pickle runs nothing."""
     trainer._checkpoint_connector._restore_modules_and_callbacks(path, weights_only=True)
+
+
+# -- Lightning's and the process's globals, as the Lightning adapter must set them --------
+def set_lightning_rank_zero(rank_zero_only_functions: tuple[Any, ...], rank: int) -> None:
+    """Sets ``rank_zero_only.rank``, the process-wide attribute Lightning's
+    ``@rank_zero_only`` (logging, checkpoint callbacks, progress bars) reads to decide
+    whether this process is the chief. Lightning has no setter: its own strategies assign
+    the attribute in ``set_world_ranks``, as the adapter must (checked: lightning 2.5-2.6,
+    lightning_utilities 0.11-0.15)."""
+    for function in rank_zero_only_functions:
+        function.rank = rank
+
+
+def launcher_variable(name: str) -> str | None:
+    """The process's environment variable `name` (LOCAL_RANK, LOCAL_WORLD_SIZE, ...), or
+    None. The Lightning adapter reads torchrun's variables where no torchstrategy world
+    describes the process: in a replica started by Lightning's multiprocessing launcher
+    (notebooks), the only place Lightning gives the replica its rank is LOCAL_RANK."""
+    return os.environ.get(name)
+
+
+def publish_launcher_variables(variables: dict[str, str]) -> None:
+    """Sets torchrun's variables (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR) in the
+    process's environment, for a replica started by Lightning's multiprocessing launcher
+    (notebooks), which sets only LOCAL_RANK, MASTER_ADDR and MASTER_PORT: torch.distributed's
+    ``env://`` rendezvous and torchstrategy's world detection read the others from there,
+    as under torchrun."""
+    os.environ.update(variables)
+
+
+def lightning_trainer_arguments(trainer_cls: type) -> dict[str, Any] | None:
+    """The ``accelerator``, ``devices`` and ``num_nodes`` passed to the Trainer being
+    constructed in this thread (the caller runs inside ``Trainer.__init__``), or None
+    outside one.
+
+    Lightning keeps only the parsed ``devices`` (where "auto" and 1 look alike on CPU) and
+    resolves ``accelerator="auto"`` before a strategy sees it, and hands a strategy neither
+    argument; the adapter needs them to refuse a Trainer whose devices disagree with the
+    strategy it wraps. So they are read from the constructor's frame: the one place in the
+    package that reads another function's frame (checked: lightning 2.5-2.6, whose
+    ``Trainer.__init__`` takes them as keyword arguments)."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "__init__" and \
+                isinstance(frame.f_locals.get("self"), trainer_cls):
+            arguments = frame.f_locals
+            return {"accelerator": arguments.get("accelerator", "auto"),
+                    "devices": arguments.get("devices", "auto"),
+                    "num_nodes": arguments.get("num_nodes", 1)}
+        frame = frame.f_back
+    return None

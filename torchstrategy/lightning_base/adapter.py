@@ -27,8 +27,12 @@ What the adapter does at each point of Lightning's life cycle:
   ``_DDPForwardRedirection`` drives it). With ``buffers="mean"``
   ``synchronize_buffers()`` makes them the replica mean after each training step, as
   ``strategy.run`` does.
-- ``backward``: the loss is scaled by 1/N, so the reducer's cross-replica *sum* is the
-  *mean* gradient Lightning's DDP produces.
+- ``backward``: the loss goes through ``ts.scale_mean_loss`` in the strategy's replica
+  context, so the gradient reducer averages the gradients over the replicas as
+  DistributedDataParallel's reducer does (each gradient divided by N as it enters its
+  bucket, then summed): the weights equal Lightning's ``"ddp"`` bit for bit, in fp32 and
+  in bf16-mixed. A strategy without such a reducer (ShardedStrategy) divides the loss's
+  gradient by N as it enters the backward.
 - collectives (``self.log(sync_dist=True)``, ``barrier``, ``broadcast``, ``all_gather``)
   go through the strategy's communicator and process group, under its timeout.
 
@@ -36,15 +40,16 @@ Only documented methods of the strategy are used (``extended.communicator``,
 ``torch_device``, ``replica_id``, ``one_replica_per_process``, ``prepare_trainer_module``,
 ``prepare_trainer_optimizer``, ``broadcast_buffers``, ``synchronize_buffers``, ``no_sync``,
 ``converts_checkpoint_state`` and the checkpoint methods; ``Strategy.build_for_trainer``
-for a kind, found in `torchstrategy.strategies.registry`) and ``runtime.current().world``;
-private Lightning APIs go through `torchstrategy._compat`.
+for a kind, found in `torchstrategy.strategies.registry`), ``ts.scale_mean_loss`` and
+``runtime.current().world``. Private Lightning APIs, Lightning's process-wide
+``rank_zero_only.rank``, the process's environment and the Trainer's constructor
+arguments are reached only through `torchstrategy._compat`, which says why for each.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import importlib
-import os
 import sys
 import threading
 import types
@@ -53,7 +58,7 @@ from typing import Any, Callable, Iterator, Mapping, TypeVar
 import torch
 import torch.distributed as dist
 
-from torchstrategy import _compat, context, runtime
+from torchstrategy import _compat, context, losses, runtime
 from torchstrategy.collectives.communicator import Communicator
 from torchstrategy.lightning_base import registration
 from torchstrategy.reduce_op import ReduceOp
@@ -170,25 +175,6 @@ def check_package(package: str | None) -> None:
     if package is not None and package not in PACKAGES:
         raise ValueError(f"package must be one of {PACKAGES} (or None: the one in use), "
                          f"got {package!r}.")
-
-
-def _trainer_arguments(trainer_cls: type) -> dict[str, Any] | None:
-    """The ``accelerator``, ``devices`` and ``num_nodes`` passed to the Trainer being
-    constructed in this thread, or None outside a Trainer constructor.
-
-    Lightning keeps only the parsed ``devices`` (where "auto" and 1 look alike on CPU), so
-    they are read from the constructor's frame to tell "left at auto" from a real request.
-    """
-    frame: types.FrameType | None = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "__init__" and \
-                isinstance(frame.f_locals.get("self"), trainer_cls):
-            args = frame.f_locals
-            return {"accelerator": args.get("accelerator", "auto"),
-                    "devices": args.get("devices", "auto"),
-                    "num_nodes": args.get("num_nodes", 1)}
-        frame = frame.f_back
-    return None
 
 
 def _device_type(accelerator: Any, known: tuple[tuple[type, str], ...]) -> str | None:
@@ -386,8 +372,7 @@ class LightningStrategy(_LightningParallelStrategy):
         return self._ts
 
     def _set_rank_zero(self) -> None:
-        for rank_zero_only in self.lightning.rank_zero_only:
-            rank_zero_only.rank = self.global_rank
+        _compat.set_lightning_rank_zero(self.lightning.rank_zero_only, self.global_rank)
 
     # -- devices and ranks ---------------------------------------------------------
     @property
@@ -426,7 +411,8 @@ class LightningStrategy(_LightningParallelStrategy):
         world = self._world()
         if world is not None:
             return world.local_world_size
-        return int(os.environ.get("LOCAL_WORLD_SIZE", self._ts.num_replicas_in_sync))
+        return int(_compat.launcher_variable("LOCAL_WORLD_SIZE")
+                   or self._ts.num_replicas_in_sync)
 
     def _machines(self) -> int:
         if self._ts is None:
@@ -457,7 +443,7 @@ class LightningStrategy(_LightningParallelStrategy):
     def global_rank(self) -> int:
         if self._ts is not None:
             return self._ts.extended.replica_id
-        return int(os.environ.get("LOCAL_RANK", 0)) if self._launched_here() else 0
+        return self._local_rank_variable() if self._launched_here() else 0
 
     @property
     def local_rank(self) -> int:
@@ -465,7 +451,7 @@ class LightningStrategy(_LightningParallelStrategy):
             world = self._world()
             if world is not None:
                 return world.local_rank
-            return int(os.environ.get("LOCAL_RANK", 0))
+            return self._local_rank_variable()
         return self.global_rank
 
     @property
@@ -488,15 +474,20 @@ class LightningStrategy(_LightningParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
+    @staticmethod
+    def _local_rank_variable() -> int:
+        return int(_compat.launcher_variable("LOCAL_RANK") or 0)
+
     def _launched_here(self) -> bool:
-        return self._start_method != "popen" and "LOCAL_RANK" in os.environ
+        return self._start_method != "popen" and \
+            _compat.launcher_variable("LOCAL_RANK") is not None
 
     # -- Trainer construction ------------------------------------------------------
     def _check_trainer_arguments(self) -> None:
         """Raises if the Trainer being built asks for other devices than the wrapped
         strategy has (Lightning reads `parallel_devices` first while it parses its
         arguments, so this runs before any of them is acted on)."""
-        given = _trainer_arguments(self.lightning.trainer)
+        given = _compat.lightning_trainer_arguments(self.lightning.trainer)
         if given is None:
             return
         name = repr(self._ts)
@@ -554,12 +545,12 @@ class LightningStrategy(_LightningParallelStrategy):
         if self._ts is None:
             # A replica started by the multiprocessing launcher (notebooks): join the
             # world the launcher set up, as under torchrun.
-            local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            local_rank = self._local_rank_variable()
             count = self.num_processes
-            os.environ.update({
+            _compat.publish_launcher_variables({
                 "RANK": str(local_rank), "WORLD_SIZE": str(count),
                 "LOCAL_WORLD_SIZE": str(count),
-                "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1")})
+                "MASTER_ADDR": _compat.launcher_variable("MASTER_ADDR") or "127.0.0.1"})
             self._ts = self._build_strategy()
             self._set_rank_zero()
         super().setup_environment()
@@ -656,12 +647,16 @@ class LightningStrategy(_LightningParallelStrategy):
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any,
                  **kwargs: Any) -> torch.Tensor:
-        """Backward of the loss scaled by 1/N: the reducer's sum is DDP's mean gradient."""
-        # Lightning (DDP) averages gradients over replicas; the reducer sums them.
-        n = self.world_size
-        scaled = closure_loss if n == 1 else closure_loss * (1.0 / n)
-        super().backward(scaled, optimizer, *args, **kwargs)
-        return closure_loss.detach()
+        """Backward of the loss, whose gradients are averaged over the replicas as
+        DistributedDataParallel averages them (``ts.scale_mean_loss``: the strategy's
+        gradient reducer divides each gradient by N as it enters its bucket, then sums);
+        the loss itself is unchanged."""
+        if self.world_size > 1:
+            # In the replica context, so that scale_mean_loss asks this strategy (its
+            # replicas and its reducer), whichever scope the program entered last.
+            with self._replica_context():
+                closure_loss = losses.scale_mean_loss(closure_loss)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @contextlib.contextmanager
     def block_backward_sync(self) -> Iterator[None]:
