@@ -80,7 +80,7 @@ def _parts():
              status="skipped", reason="needs CUDA, skipped: --no-cuda was given"),
         Part("tests", "the tests", ["python3", "-m", "pytest"], 270, status="failed",
              duration_s=42.0, returncode=1, reason="exit status 1",
-             tail="line 1\nE   assert 1 == 2\n1 failed",
+             tail="line 1\nE   assert loss == expected\n1 failed",
              tests={"passed": 5, "failed": 1, "skipped": 2, "errors": 0,
                     "skip_reasons": {"needs a CUDA GPU": 2}, "failures": ["t::test_x"]}),
         Part("bench-kernels", "kernels", ["python3", "scripts/gpu_bench.py"], 90,
@@ -113,7 +113,7 @@ def test_the_report_lists_every_part_figure_and_reason(tmp_path):
     assert "copy \\| bandwidth | n/a" in md                      # a cell cannot break the table
     assert "Targets met: 1; missed: gpt2: peak memory ours / DDP." in md
     assert "- 2 x needs a CUDA GPU" in md
-    assert "Failed: t::test_x" in md and "E   assert 1 == 2" in md
+    assert "Failed: t::test_x" in md and "E   assert loss == expected" in md
     assert "result: FAILURES; parts passed 2, failed 1, timed out 1, skipped 1; tests passed " \
            "5, failed 1, errors 0, skipped 2" in md
     report = json.load(open(json_path))

@@ -157,6 +157,8 @@ def _transportable(error: BaseException | None) -> Any:
 def _rebuilt(outcome: Any) -> BaseException:
     """The exception `_transportable` made travel."""
     if isinstance(outcome, bytes):
+        # Sent by a replica of this same job over its own process group (the trust domain
+        # of torch's broadcast_object_list, which unpickles too), never read from a file.
         rebuilt = pickle.loads(outcome)
         if isinstance(rebuilt, BaseException):
             return rebuilt
