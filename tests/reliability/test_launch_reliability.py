@@ -132,3 +132,17 @@ def test_sigterm_after_launch_returned_leaves_no_multiprocessing_directory(tmp_p
         assert not os.path.exists(temp_dir), f"{temp_dir} left: {os.listdir(temp_dir)}"
     finally:
         _kill_group(process)
+
+
+def test_torch_compile_under_launch_leaks_no_semaphore():
+    # Issue 36, item 13: the launcher ended the replicas as soon as they had returned,
+    # before their multiprocessing finalizers unlinked the semaphore tqdm made for
+    # torch.compile's progress bar: "resource_tracker: There appear to be 2 leaked
+    # semaphore objects to clean up at shutdown".
+    script = os.path.join(SCRIPTS, "failing_replica.py")
+    result = subprocess.run([sys.executable, script, "launch_compile"],
+                            env=plain_environment(), capture_output=True, text=True,
+                            timeout=200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "1"
+    assert "leaked semaphore" not in result.stderr, result.stderr[-3000:]

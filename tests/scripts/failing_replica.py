@@ -12,6 +12,7 @@ MODE:
   launch_then_idle   writes OUTDIR/launcher_temp_dir (its /tmp/pymp-* directory), runs a
                      ts.launch of 2 replicas to its end, writes OUTDIR/idle and sleeps
                      (the test sends SIGTERM).
+  launch_compile     ts.launch of 2 replicas that each run one torch.compile'd step.
 """
 import multiprocessing.util
 import os
@@ -46,6 +47,15 @@ def one():
     return 1
 
 
+def compiled_step():
+    strategy = ts.MirroredStrategy()
+    with strategy.scope():
+        model = torch.nn.Linear(4, 2)
+    compiled = torch.compile(model)
+    strategy.run(lambda: compiled(torch.ones(2, 4)).sum().backward())
+    return 1
+
+
 def write(outdir, name, text):
     with open(os.path.join(outdir, name + ".part"), "w") as f:
         f.write(text)
@@ -53,7 +63,9 @@ def write(outdir, name, text):
 
 
 if __name__ == "__main__":
-    if mode == "launch_then_idle":
+    if mode == "launch_compile":
+        print(ts.launch(compiled_step, num_replicas=2))
+    elif mode == "launch_then_idle":
         write(sys.argv[2], "launcher_temp_dir", multiprocessing.util.get_temp_dir())
         ts.launch(one, num_replicas=2)
         write(sys.argv[2], "idle", "")

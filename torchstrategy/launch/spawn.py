@@ -24,6 +24,8 @@ from torchstrategy.launch import reexec
 from torchstrategy.launch import world as world_lib
 
 _TERMINATE_GRACE_SECONDS = 5.0
+# How long replicas that returned are given to end by themselves.
+_EXIT_GRACE_SECONDS = 10.0
 
 
 class RemoteTraceback(Exception):
@@ -277,7 +279,14 @@ def launch(fn: Callable[..., Any], *args: Any, num_replicas: int,
             writer.close()
             processes.append(process)
             readers[reader] = rank
-        return _collect(processes, readers)
+        result = _collect(processes, readers)
+        # Every replica returned: let each end on its own (its process group released, its
+        # multiprocessing finalizers run: a semaphore made in it, e.g. by tqdm for
+        # torch.compile's progress bar, is unlinked only then) before stragglers are ended.
+        deadline = time.monotonic() + _EXIT_GRACE_SECONDS
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        return result
     except _Terminated:
         _terminate(processes)
         _die_of_sigterm(temp_dir)
