@@ -66,6 +66,7 @@ class Runtime:
         self._world: world_lib.World | None = None
         self._supervisor: reexec.Supervisor | None = None
         self._watching_parent = False
+        self._watching_interrupts = False
         self._owns_group = False
         self._held: list[torch.Tensor] = []
         self._held_lock = threading.Lock()
@@ -97,6 +98,11 @@ class Runtime:
             if world.launcher == "reexec" and world.rank > 0 and not self._watching_parent:
                 self._watching_parent = True
                 reexec.watch_parent()
+            if world.launcher == "torchrun" and not self._watching_interrupts:
+                # torchrun forwards Ctrl-C to its workers, which a collective would hold
+                # until its timeout (issue 36, item 5).
+                self._watching_interrupts = True
+                reexec.exit_when_interrupted_while_blocked(world.rank)
         return world
 
     def start_alone(self, timeout_seconds: float) -> world_lib.World:

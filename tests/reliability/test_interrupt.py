@@ -78,3 +78,41 @@ def test_sigint_to_replica_zero_blocked_in_a_collective_ends_every_replica_at_on
     while time.monotonic() < deadline and any(alive(pid) for pid in pids):
         time.sleep(0.1)
     assert not any(alive(pid) for pid in pids)
+
+
+@pytest.mark.timeout(240)
+def test_ctrl_c_to_a_torchrun_job_blocked_in_a_collective_ends_it_at_once(tmp_path):
+    # Issue 36, item 5, under torchrun: both workers wait in gloo for each other and the
+    # whole job gets SIGINT (Ctrl-C in its terminal). Before, torchrun forwarded it to
+    # workers that could not take it until the collective's timeout.
+    timeout = 200
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    process = subprocess.Popen(
+        [torchrun, "--standalone", "--nproc-per-node=2", FAILING, "torchrun_blocked",
+         str(tmp_path)],
+        env=plain_environment(timeout_seconds=timeout), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        pid_files = [tmp_path / f"pid{r}" for r in range(2)]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not all(p.exists() for p in pid_files):
+            time.sleep(0.1)
+        assert all(p.exists() for p in pid_files), process.communicate(timeout=5)[1][-3000:]
+        pids = [int(p.read_text()) for p in pid_files]
+        time.sleep(2)  # both are in gloo's recv by now
+        start = time.monotonic()
+        os.killpg(process.pid, signal.SIGINT)   # the agent and its workers, as a terminal
+        _, stderr = process.communicate(timeout=timeout - 20)
+        elapsed = time.monotonic() - start
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(30)
+    assert elapsed < 60, (elapsed, stderr[-3000:])   # seconds, not the 200 s timeout
+    assert "was interrupted (SIGINT) while blocked in a collective" in stderr, stderr[-3000:]
+    assert "did not complete within the strategy's timeout" not in stderr
+    assert process.returncode != 0
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in pids)

@@ -9,6 +9,9 @@ MODE:
   launch_blocked     ts.launch of 2 replicas: replica 0 waits in a collective, replica 1
                      sleeps; each writes OUTDIR/pid<rank> (the test interrupts replica 0).
   reexec_blocked     the same, re-executed (replica 0 is this process).
+  torchrun_blocked   under torchrun (2 workers): each replica waits to receive from the
+                     other, a deadlock in gloo; each writes OUTDIR/pid<rank> (the test sends
+                     SIGINT to the whole job, as Ctrl-C in a terminal does).
   launch_then_idle   writes OUTDIR/launcher_temp_dir (its /tmp/pymp-* directory), runs a
                      ts.launch of 2 replicas to its end, writes OUTDIR/idle and sleeps
                      (the test sends SIGTERM).
@@ -43,6 +46,13 @@ def blocked(outdir, devices=None):
     strategy.reduce("SUM", torch.ones(2))
 
 
+def deadlocked(outdir):
+    strategy = ts.MirroredStrategy()
+    rank = strategy.extended.replica_id
+    write(outdir, f"pid{rank}", str(os.getpid()))
+    torch.distributed.recv(torch.zeros(1), src=1 - rank)   # both wait: neither sends
+
+
 def one():
     return 1
 
@@ -74,6 +84,8 @@ if __name__ == "__main__":
         ts.launch(blocked, sys.argv[2], num_replicas=2)
     elif mode == "reexec_blocked":
         blocked(sys.argv[2], devices=["cpu:0", "cpu:1"])
+    elif mode == "torchrun_blocked":
+        deadlocked(sys.argv[2])
     elif mode == "sharded_keyerror":
         strategy = ts.ShardedStrategy(devices=["cpu:0", "cpu:1"])
         with strategy.scope():

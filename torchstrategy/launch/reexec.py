@@ -189,6 +189,21 @@ def watch_parent() -> None:
     threading.Thread(target=watch, name="torchstrategy-parent-watch", daemon=True).start()
 
 
+def exit_when_interrupted_while_blocked(rank: int) -> None:
+    """Under torchrun: a SIGINT (Ctrl-C to the job, ``kill -INT`` to a worker) that this
+    replica's main thread cannot take because it is blocked in a collective ends this
+    process at once (exit status 130) instead of at the collective's timeout; torchrun's
+    agent then stops the other workers, as for any failed worker. A replica that can take
+    the signal raises KeyboardInterrupt as usual."""
+    def interrupted() -> None:
+        print(f"torchstrategy: replica {rank} was interrupted (SIGINT) while blocked in a "
+              "collective; exiting so that torchrun stops every replica.",
+              file=sys.stderr, flush=True)
+        os._exit(128 + signal.SIGINT)
+
+    on_blocked_interrupt(interrupted)
+
+
 def on_blocked_interrupt(action: Callable[[], None],
                          grace_seconds: float = _INTERRUPT_GRACE_SECONDS) -> None:
     """Calls `action()` from a watcher thread when SIGINT (Ctrl-C, ``kill -INT``) reached
