@@ -3,6 +3,7 @@ torch, PowerSGD's sums against a plain-torch PowerSGD on 2 real replicas, the er
 identity, warm-up, small tensors, no_sync accumulation, checkpoint resume, stats, bad
 arguments."""
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -323,19 +324,32 @@ def _bf16_mean(compression):
         records.append(([g.float() for g in local], [p.grad.float() for p in params],
                         [p.grad.dtype for p in params]))
     reducer = strategy.extended.gradient_reducer
-    state = reducer.state_dict()["error_feedback"][r]
-    try:   # one replica's state where there are two
-        reducer.load_state_dict({"error_feedback": [state]})
-        refusal = None
-    except ValueError as error:
-        refusal = str(error)
-    return from_every_replica((records, state["residuals"], refusal))
+    states = reducer.state_dict()["error_feedback"]
+    # Issue 36, item 12: a state saved by another number of replicas (here one replica's,
+    # holding what both owe) loads, each replica taking an equal share, and says so.
+    one_replica = ErrorFeedbackStage.spread_over(states, 1)
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("torchstrategy").addHandler(handler)
+    try:
+        reducer.load_state_dict({"error_feedback": [one_replica]})
+    finally:
+        logging.getLogger("torchstrategy").removeHandler(handler)
+    loaded = reducer.state_dict()["error_feedback"][r]["residuals"]
+    return from_every_replica((records, states[r]["residuals"], (loaded, said)))
 
 
 @pytest.mark.parametrize("compression", [ts.PowerSGD(rank=2), ts.Int8(chunk_size=64)])
 def test_bf16_gradients_and_mean_loss(compression):
     run = launch(_bf16_mean, compression, n=2)
-    assert "holds 1 replicas' residuals; this run has 2 replicas" in run[0][2]
+    assert any("saved by 1 replicas and is loaded into 2" in line for line in run[0][2][1])
+    assert run[1][2][1] == []   # said once, by replica 0
+    for i in run[0][1]:
+        saved = sum(res[i] for _, res, _ in run if i in res)
+        shares = [loaded[i] for _, _, (loaded, _) in run]
+        torch.testing.assert_close(shares[0], shares[1], rtol=0, atol=0)
+        torch.testing.assert_close(shares[0] + shares[1], saved.float())
     for i in range(6):
         assert run[0][0][0][2][i] == torch.bfloat16   # .grad stays in the parameters' dtype
         mean = sum(run[r][0][t][0][i] for r in range(2) for t in range(3)) / 2

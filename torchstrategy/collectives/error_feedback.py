@@ -268,6 +268,37 @@ class ErrorFeedbackStage:
         _ops.dequantize_sum(all_q, all_scales, data, algo.chunk_size)
 
     # -- checkpoints --------------------------------------------------------------------
+    @staticmethod
+    def spread_over(states: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
+        """One replica's state for a run of `world_size` replicas, from the states of a
+        run with another number of replicas (`states`, one per old replica).
+
+        What error feedback owes the model is the *sum* of the replicas' residuals (the
+        reduced gradients applied so far plus that sum equal the true gradients, in the
+        units of the reduced result whatever the number of replicas); each new replica
+        takes an equal share of it, so nothing owed is lost or counted twice. PowerSGD's
+        Q matrices and the step counter are the same on every replica and carry over.
+
+        Raises:
+          ValueError: states saved under different compressions, or none at all.
+        """
+        if not states:
+            raise ValueError("The error-feedback state holds no replica's state.")
+        kinds = {state.get("compression") for state in states}
+        if len(kinds) != 1:
+            raise ValueError(f"The error-feedback states were saved under different "
+                             f"compressions {sorted(map(str, kinds))}; it is not one run's.")
+        totals: dict[int, torch.Tensor] = {}
+        for state in states:
+            for i, residual in state["residuals"].items():
+                total = totals.get(int(i))
+                residual = residual.to(torch.float32)
+                totals[int(i)] = residual.clone() if total is None else total.add_(residual)
+        first = states[0]
+        return {"compression": first["compression"], "step": first["step"],
+                "residuals": {i: t.div_(world_size) for i, t in totals.items()},
+                "q": {int(i): t.clone() for i, t in first["q"].items()}}
+
     def state_dict(self) -> dict[str, Any]:
         """This replica's error-feedback state: the compression (its repr), the step
         counter, the residuals and (PowerSGD) the Q matrices, keyed by parameter

@@ -72,6 +72,7 @@ next step's gradients (as with DDP's ``gradient_as_bucket_view``): clone it to k
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from typing import Any, Callable, Iterable, Iterator
 
@@ -84,6 +85,8 @@ from torchstrategy.collectives.compression import (ErrorFeedback, GradBucket,
 from torchstrategy.collectives.cross_device_ops import CrossDeviceOps, NcclAllReduce, Pending
 from torchstrategy.collectives.error_feedback import ErrorFeedbackStage
 from torchstrategy.collectives.stats import ReductionStats
+
+logger = logging.getLogger("torchstrategy")
 
 DEFAULT_BUCKET_CAP_BYTES = 25 * 1024 * 1024
 
@@ -351,9 +354,13 @@ class GradientReducer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores this replica's part of what `state_dict` returned.
 
+        A state saved by another number of replicas is loaded too: each replica takes an
+        equal share of the sum of the saved residuals (`ErrorFeedbackStage.spread_over`),
+        and rank 0 logs that it did.
+
         Raises:
-          ValueError: a non-empty state without error-feedback compression, a state saved
-            with another number of replicas, or under another compression.
+          ValueError: a non-empty state without error-feedback compression, a state that is
+            not a reducer's, or one saved under another compression.
         """
         if self._error_feedback is None:
             if state:
@@ -362,14 +369,25 @@ class GradientReducer:
                                  "compression=ts.PowerSGD(...) / ts.Int8() to load one.")
             return
         replicas = state.get("error_feedback") if isinstance(state, dict) else None
-        if not isinstance(replicas, list) or len(replicas) != self._comm.world_size:
-            count = len(replicas) if isinstance(replicas, list) else "no"
+        if not isinstance(replicas, list) or not replicas:
             raise ValueError(
-                f"This error-feedback state holds {count} replicas' residuals; this run has "
-                f"{self._comm.world_size} replicas. Resume with the same number of replicas, "
-                "or do not load the reducer's state (compression restarts from zero "
-                "residuals).")
-        self._error_feedback.load_state_dict(replicas[self._comm.rank])
+                f"This is not a gradient reducer's error-feedback state (it has no "
+                f"'error_feedback' list of replicas' states): {type(state).__name__}. Load "
+                "what reducer.state_dict() returned, or do not load the reducer's state "
+                "(compression then restarts from zero residuals).")
+        if len(replicas) == self._comm.world_size:
+            self._error_feedback.load_state_dict(replicas[self._comm.rank])
+            return
+        # Another number of replicas (a preemption resumed on more or fewer): the sum of the
+        # residuals, what compression still owes the model, is shared out evenly.
+        self._error_feedback.load_state_dict(
+            ErrorFeedbackStage.spread_over(replicas, self._comm.world_size))
+        if self._comm.rank == 0:
+            logger.warning(
+                f"torchstrategy: the error-feedback state was saved by {len(replicas)} "
+                f"replicas and is loaded into {self._comm.world_size}: the sum of their "
+                "residuals is shared out evenly (nothing owed is dropped); PowerSGD's Q and "
+                "the step counter carry over.")
 
     # -- averaging ----------------------------------------------------------------------
     def average_this_backward(self) -> bool:
