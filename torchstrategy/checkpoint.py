@@ -230,4 +230,8 @@ def load(path: str | os.PathLike[str],
         map_location = peers.device if peers.world_size > 1 and \
             peers.communicator is not ext.communicator \
             else ext.torch_device or torch.device("cpu")
+        if torch.device(map_location).type == "xla":
+            # torch.load cannot place storages on an XLA device (TPUStrategy): host tensors,
+            # which load_state_dict copies into the XLA parameters.
+            map_location = torch.device("cpu")
     return torch.load(path, map_location=map_location, weights_only=weights_only)
