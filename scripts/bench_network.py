@@ -156,7 +156,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(d)
 
     def forward(self, idx):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = block(x)
         return self.ln_f(x) @ self.wte.weight.t()   # output layer tied to the embedding
