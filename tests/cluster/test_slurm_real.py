@@ -83,7 +83,8 @@ def _read_log(out, rank):
                 for a, s, *rest in (line.split() for line in f if line.strip())]
 
 
-def _check_training(out, replicas, reference_final, resolver):
+def _check_training(out, replicas, reference_final, resolver,
+                    steps_per_epoch=STEPS_PER_EPOCH):
     """What users rely on: the resolver found, every step run once, every sample seen once
     per epoch, the final parameters of one device (1e-6)."""
     for rank in range(replicas):
@@ -91,12 +92,12 @@ def _check_training(out, replicas, reference_final, resolver):
             assert f.read().split() == [resolver, str(replicas)]
     logs = [_read_log(out, rank) for rank in range(replicas)]
     steps = [step for _, step, _ in logs[0]]
-    assert steps == list(range(1, STEPS_PER_EPOCH * EPOCHS + 1)), steps
+    assert steps == list(range(1, steps_per_epoch * EPOCHS + 1)), steps
     for rank in range(1, replicas):
         assert [step for _, step, _ in logs[rank]] == steps
     for epoch in range(EPOCHS):
         seen = sorted(i for log in logs for _, step, indices in log
-                      if epoch * STEPS_PER_EPOCH < step <= (epoch + 1) * STEPS_PER_EPOCH
+                      if epoch * steps_per_epoch < step <= (epoch + 1) * steps_per_epoch
                       for i in indices)
         assert seen == list(range(SAMPLES)), f"epoch {epoch}: {seen}"
     final = torch.load(os.path.join(out, "final.pt"))

@@ -14,7 +14,16 @@ jobs preempt ``low``'s with ``PreemptMode=REQUEUE`` after a grace time of `GRACE
 and ``AuthInfo=cred_expire=5`` lets a requeued job start again about 5 s after it ended
 instead of SLURM's default 120 s. Client commands find the cluster through ``SLURM_CONF``:
 `SlurmCluster.env` is the environment to run them (and the jobs, which inherit it) with.
+
+`slurm_on_nodes(nodes)` starts the same daemons on the nodes of a cluster of network
+namespaces (tests/helpers/cluster.py) instead: slurmctld on the first node
+(``SlurmctldHost=node0(ADDRESS)``), one slurmd per node (``NodeName=nodeI
+NodeAddr=ADDRESS``, each with its own spool, pid and log file: ``%n`` in their paths), and
+one munged on this machine, whose socket (a file) every node reaches, as a shared munge
+key lets a real cluster's nodes authenticate each other. Client commands run on the
+first node (the "login node"); `SlurmCluster.run` does so.
 """
+import contextlib
 import os
 import re
 import secrets
@@ -49,8 +58,10 @@ def _tail(path, lines=25):
 class SlurmCluster:
     """A started cluster: `env` runs its client commands; `run` runs one of them."""
 
-    def __init__(self, directory):
+    def __init__(self, directory, nodes=None):
         self.directory = directory
+        # The nodes of a tests.helpers.cluster.Cluster to run on; None: this machine alone.
+        self.nodes = nodes
         self.conf = os.path.join(directory, "slurm.conf")
         self.munge_socket = os.path.join(directory, "munge", "munge.socket")
         # Two tasks at least (the tests run two replicas); slurmd accepts more CPUs than
@@ -71,11 +82,27 @@ class SlurmCluster:
         spool = os.path.join(self.directory, "spool")
         for path in (state, spool, os.path.dirname(self.munge_socket)):
             os.makedirs(path, mode=0o700, exist_ok=True)
-        ctld_port, slurmd_port = _free_port(), _free_port()
-        srun_low = _free_port()
+        if self.nodes is None:
+            ctld_port, slurmd_port, srun_low = _free_port(), _free_port(), _free_port()
+            controller = "localhost(127.0.0.1)"
+            node_lines = [f"NodeName=localhost NodeAddr=127.0.0.1 CPUs={self.cpus} "
+                          "RealMemory=1000 State=UNKNOWN"]
+            names = "localhost"
+        else:
+            # Namespaces made for this cluster: every port is free on their addresses.
+            ctld_port, slurmd_port, srun_low = 6817, 6818, 40000
+            controller = f"{self.nodes[0].hostname}({self.nodes[0].address})"
+            node_lines = [f"NodeName={node.hostname} NodeAddr={node.address} "
+                          f"CPUs={self.cpus} RealMemory=1000 State=UNKNOWN"
+                          for node in self.nodes]
+            names = ",".join(node.hostname for node in self.nodes)
+        # %n: the node's name, so that the slurmds of several nodes keep apart.
+        slurmd_files = "" if self.nodes is None else ".%n"
+        if self.nodes is not None:
+            spool = os.path.join(spool, "%n")
         lines = [
             "ClusterName=tstest",
-            "SlurmctldHost=localhost(127.0.0.1)",
+            f"SlurmctldHost={controller}",
             f"SlurmctldPort={ctld_port}",
             f"SlurmdPort={slurmd_port}",
             # srun listens for its tasks' I/O on a port of this range.
@@ -86,9 +113,9 @@ class SlurmCluster:
             f"StateSaveLocation={state}",
             f"SlurmdSpoolDir={spool}",
             f"SlurmctldPidFile={self.directory}/slurmctld.pid",
-            f"SlurmdPidFile={self.directory}/slurmd.pid",
+            f"SlurmdPidFile={self.directory}/slurmd{slurmd_files}.pid",
             f"SlurmctldLogFile={self.directory}/slurmctld.log",
-            f"SlurmdLogFile={self.directory}/slurmd.log",
+            f"SlurmdLogFile={self.directory}/slurmd{slurmd_files}.log",
             "SlurmctldDebug=info",
             "SlurmdDebug=info",
             "AuthType=auth/munge",
@@ -117,21 +144,28 @@ class SlurmCluster:
             "InactiveLimit=0",
             "PreemptType=preempt/partition_prio",
             "PreemptMode=REQUEUE",
-            f"NodeName=localhost NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory=1000 "
-            "State=UNKNOWN",
-            f"PartitionName=low Nodes=localhost Default=YES MaxTime=INFINITE State=UP "
+            *node_lines,
+            f"PartitionName=low Nodes={names} Default=YES MaxTime=INFINITE State=UP "
             f"PriorityTier=1 PreemptMode=REQUEUE GraceTime={GRACE_SECONDS}",
-            "PartitionName=high Nodes=localhost MaxTime=INFINITE State=UP PriorityTier=10 "
+            f"PartitionName=high Nodes={names} MaxTime=INFINITE State=UP PriorityTier=10 "
             "PreemptMode=OFF",
         ]
         with open(self.conf, "w") as f:
             f.write("\n".join(line for line in lines if line) + "\n")
+        if self.nodes is not None:
+            # `ip netns exec` mounts a fresh /sys for the node, without /sys/fs/cgroup, where
+            # slurmd's autodetection of the cgroup version fails; nothing here uses
+            # cgroups (proctrack/linuxproc, task/none), so name the version instead.
+            with open(os.path.join(self.directory, "cgroup.conf"), "w") as f:
+                f.write("CgroupPlugin=cgroup/v1\n")
         key = os.path.join(self.directory, "munge", "munge.key")
         with open(os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400), "wb") as f:
             f.write(secrets.token_bytes(1024))
 
-    def _start(self, name, argv):
+    def _start(self, name, argv, node=None):
         log = os.path.join(self.directory, f"{name}.out")
+        if node is not None:
+            argv = node.command(argv)
         with open(log, "w") as out:
             proc = subprocess.Popen(argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
@@ -147,15 +181,35 @@ class SlurmCluster:
         self._wait(lambda: os.path.exists(self.munge_socket), "munged",
                    os.path.join(munge_dir, "munged.log"))
         # -i: ignore state files (none yet); -c: start clean.
-        self._start("slurmctld", ["slurmctld", "-D", "-c", "-i", "-f", self.conf])
+        self._start("slurmctld", ["slurmctld", "-D", "-c", "-i", "-f", self.conf],
+                    self.login_node)
         self._wait(lambda: "UP" in self.run(["scontrol", "ping"], check=False).stdout,
                    "slurmctld", os.path.join(self.directory, "slurmctld.log"))
-        self._start("slurmd", ["slurmd", "-D", "-N", "localhost", "-f", self.conf])
-        self._wait(self._node_idle, "slurmd", os.path.join(self.directory, "slurmd.log"))
+        if self.nodes is None:
+            self._start("slurmd", ["slurmd", "-D", "-N", "localhost", "-f", self.conf])
+            logs = [os.path.join(self.directory, "slurmd.log")]
+        else:
+            os.makedirs(os.path.join(self.directory, "spool"), mode=0o700, exist_ok=True)
+            for node in self.nodes:
+                os.makedirs(os.path.join(self.directory, "spool", node.hostname),
+                            mode=0o700, exist_ok=True)
+                self._start(f"slurmd.{node.hostname}",
+                            ["slurmd", "-D", "-N", node.hostname, "-f", self.conf], node)
+            logs = [os.path.join(self.directory, f"slurmd.{node.hostname}.log")
+                    for node in self.nodes]
+        self._wait(self._nodes_idle, "slurmd", logs[-1])
 
-    def _node_idle(self):
-        out = self.run(["sinfo", "-h", "-N", "-o", "%T"], check=False).stdout
-        return any(state.strip().startswith("idle") for state in out.splitlines())
+    @property
+    def login_node(self):
+        """The node client commands and slurmctld run on (None: this machine)."""
+        return None if self.nodes is None else self.nodes[0]
+
+    def _nodes_idle(self):
+        # One line per node and partition: "NAME STATE".
+        out = self.run(["sinfo", "-h", "-N", "-o", "%N %T"], check=False).stdout
+        states = dict(line.split() for line in out.splitlines() if len(line.split()) == 2)
+        expected = 1 if self.nodes is None else len(self.nodes)
+        return len(states) == expected and all(s.startswith("idle") for s in states.values())
 
     def _wait(self, ready, name, log):
         deadline = time.monotonic() + START_TIMEOUT
@@ -172,7 +226,10 @@ class SlurmCluster:
 
     # -- using -----------------------------------------------------------------------
     def run(self, argv, check=True, timeout=30):
-        """Runs a client command against this cluster; returns its CompletedProcess."""
+        """Runs a client command against this cluster (on its login node); returns its
+        CompletedProcess."""
+        if self.login_node is not None:
+            argv = self.login_node.command(argv)
         result = subprocess.run(argv, env=self.env, capture_output=True, text=True,
                                 timeout=timeout)
         if check and result.returncode != 0:
@@ -200,8 +257,10 @@ class SlurmCluster:
                              f"{fields}\n{self.log_tails()}")
 
     def log_tails(self):
+        slurmds = (["slurmd.log"] if self.nodes is None
+                   else [f"slurmd.{node.hostname}.log" for node in self.nodes])
         return "\n".join(f"--- {name}:\n{_tail(os.path.join(self.directory, name))}"
-                         for name in ("slurmctld.log", "slurmd.log"))
+                         for name in ["slurmctld.log"] + slurmds)
 
     # -- tearing down ----------------------------------------------------------------
     def stop(self):
@@ -266,16 +325,16 @@ def why_not_runnable():
     return None
 
 
-@pytest.fixture(scope="module")
-def slurm_cluster(tmp_path_factory):
-    """A started private one-node SLURM cluster (see the module's docstring); skips with
-    the reason where none can run."""
+@contextlib.contextmanager
+def started_cluster(directory, nodes=None):
+    """A started private SLURM cluster in `directory` (on `nodes`, a list of
+    tests.helpers.cluster.Node, when given), stopped on exit with everything it started.
+    Skips the calling test, with the reason, where none can run."""
     reason = why_not_runnable()
     if reason is not None:
         pytest.skip(reason)
-    directory = str(tmp_path_factory.mktemp("slurm"))
     os.chmod(directory, 0o700)
-    cluster = SlurmCluster(directory)
+    cluster = SlurmCluster(directory, nodes)
     try:
         cluster.write_config()
         cluster.start()
@@ -288,3 +347,11 @@ def slurm_cluster(tmp_path_factory):
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory):
+    """A started private one-node SLURM cluster (see the module's docstring); skips with
+    the reason where none can run."""
+    with started_cluster(str(tmp_path_factory.mktemp("slurm"))) as cluster:
+        yield cluster

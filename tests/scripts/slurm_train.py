@@ -4,17 +4,20 @@
     srun -n1 torchrun --nproc-per-node=2 ... slurm_train.py OUT_DIR  (torchrun in the step)
     python slurm_train.py OUT_DIR                                   (one process: the reference)
 
+``--global-batch N`` (default 6) sets the global batch (a multiple of the replicas).
+
 The strategy finds the cluster by itself (no resolver is named): a step of several tasks
 gives SlurmClusterResolver, torchrun's variables TorchElasticClusterResolver. Every replica
 writes OUT_DIR/resolver<r> (the resolver's class and the number of replicas), and appends
 one line per finished step to OUT_DIR/rank<r>.log: the attempt (SLURM's restart count plus
 torchrun's), the step, and the indices of the samples it trained on. At the start of each
-attempt it writes OUT_DIR/started<r>.<attempt>. Steps sleep ``--slow`` seconds in the first
+attempt it writes OUT_DIR/started<r>.<attempt> (its pid and hostname). Steps sleep ``--slow`` seconds in the first
 attempt (time for a test to preempt the job mid-epoch). Replica 0 saves the final
 parameters to OUT_DIR/final.pt; the checkpoint lives in OUT_DIR/ckpt.
 """
 import argparse
 import os
+import socket
 import time
 
 import torch
@@ -39,6 +42,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--slow", type=float, default=0.0)
+    parser.add_argument("--global-batch", type=int, default=GLOBAL_BATCH)
     args = parser.parse_args(argv)
     attempt = (int(os.environ.get("SLURM_RESTART_COUNT", "0"))
                + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
@@ -51,18 +55,18 @@ def main(argv=None):
     with open(os.path.join(args.out, f"resolver{rank}"), "w") as f:
         f.write(f"{type(resolver).__name__} {strategy.num_replicas_in_sync}\n")
     with open(os.path.join(args.out, f"started{rank}.{attempt}"), "w") as f:
-        f.write(str(os.getpid()))
+        f.write(f"{os.getpid()} {socket.gethostname()}")
     torch.manual_seed(0)
     with strategy.scope():
         model = nn.Linear(4, 1, dtype=torch.float64)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     dist_data = strategy.experimental_distribute_dataset(
-        DataLoader(data(), batch_size=GLOBAL_BATCH, shuffle=True,
+        DataLoader(data(), batch_size=args.global_batch, shuffle=True,
                    generator=torch.Generator().manual_seed(7)))
 
     def replica_step(x, y):
         per_example = ((model(x) - y) ** 2).squeeze(1)
-        loss = ts.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+        loss = ts.compute_average_loss(per_example, global_batch_size=args.global_batch)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
