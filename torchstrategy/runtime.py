@@ -195,6 +195,44 @@ class Runtime:
                                            timeout_seconds) from error
         return None
 
+    def abandon_process_group(self) -> None:
+        """Live recovery's hook: destroys a default process group that a lost replica
+        broke, at once, in a process that lives on. Unlike `release_process_group` (made
+        for the exit) it neither waits for the backend's buffers (those of the broken
+        collective may be let go of late; they stay held) nor runs the cycle collector
+        (seconds in a large program); the reducers, which reference the group, are
+        closed. Closing our end of the group makes a replica still blocked in a collective
+        with this one fail at once instead of at its timeout. Idempotent."""
+        for reducer in list(self._reducers):
+            reducer.close()
+        if dist.is_initialized():
+            _compat.release_group_from_functional_defaults(_compat.default_process_group())
+            dist.destroy_process_group()
+        self._store = None
+
+    def regroup(self, world: world_lib.World, backend: str, store: dist.Store,
+                timeout_seconds: float) -> None:
+        """Live recovery's hook (`torchstrategy.fault_tolerance.live_recovery`): replaces
+        a broken default process group by a new one over `world` (the survivors), made
+        with `store` (a prefix of the rendezvous store new for this generation, so no key
+        of the old group is read), in this same process. The old group is abandoned first
+        (`abandon_process_group`); `world` becomes this process's world (RANK,
+        WORLD_SIZE... published again).
+
+        Raises:
+          RuntimeError: a survivor did not join the new group within `timeout_seconds`.
+        """
+        self.abandon_process_group()
+        with self._lock:
+            self._owns_group = True
+            self._register_exit_handler()
+            self._world = world
+            world_lib.publish_environment(world)
+        dist.init_process_group(backend, store=store, rank=world.rank,
+                                world_size=world.world_size,
+                                timeout=datetime.timedelta(seconds=timeout_seconds))
+        self._store = store
+
     def rendezvous_store(self) -> dist.Store | None:
         """The store for torchstrategy's own keys about this world (roll calls, the end of
         a replica's program): the one our process group was made with, else the default

@@ -131,6 +131,31 @@ class DataParallelExtended(ProcessReplicaExtended):
               ) -> torch.nn.Module:
         return self._parameters.adopt(module, optimizer)
 
+    def continue_on_regrouped_world(self, world: world_lib.World) -> None:
+        """Live recovery's hook (`torchstrategy.fault_tolerance.live_recovery`): the
+        runtime has replaced the default process group by one over `world` (the
+        survivors); this replica becomes replica ``world.rank`` of ``world.world_size``
+        (``num_replicas_in_sync`` follows), and the handling rebuilds what it built for
+        the old group (the gradient reducer). The strategy's ``num_workers`` /
+        ``worker_index`` / ``is_chief`` describe `world` from then on.
+
+        Raises:
+          NotImplementedError: a handling that cannot continue on another group
+            (ShardedStrategy's), or cross-device ops holding sub-groups of the old one.
+        """
+        if getattr(self._comm.cross_device_ops, "create_groups", None) is not None:
+            raise NotImplementedError(
+                f"{type(self._comm.cross_device_ops).__name__} keeps per-machine groups of "
+                "the original replicas; live recovery needs the default NcclAllReduce.")
+        self._comm.rank = world.rank
+        self._comm.world_size = world.world_size
+        # The roll call counted the old group's replicas; failures of the new group are
+        # named by live recovery itself.
+        self._comm.diagnose = None
+        self._parameters.rebuild_after_regroup()
+        if isinstance(self._container, DataParallelStrategy):
+            self._container._world = world
+
     # -- training --------------------------------------------------------------------------
     def synchronize_buffers(self) -> None:
         """Buffers (BatchNorm statistics) become the mean over replicas after each step."""

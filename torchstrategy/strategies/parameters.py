@@ -229,6 +229,19 @@ class ParameterHandling(abc.ABC):
         """Each optimizer such a loop creates for `module`, after `prepare_trainer_module`;
         it stays the same object (changed in place where needed). Nothing by default."""
 
+    def rebuild_after_regroup(self) -> None:
+        """Live recovery's hook: the communicator now spans another set of replicas (a new
+        process group, see `torchstrategy.fault_tolerance.live_recovery`); whatever was
+        built for the old one is built again. A handling that cannot refuses.
+
+        Raises:
+          NotImplementedError: this handling cannot continue on another group.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot continue on a regrouped set of replicas (live "
+            "recovery): use MultiWorkerMirroredStrategy or MirroredStrategy, or "
+            "BackupAndRestore to restart the job.")
+
 
 class MirroredParameters(ParameterHandling):
     """Parameters mirrored as DistributedDataParallel's: every replica holds all of them,
@@ -315,3 +328,18 @@ class MirroredParameters(ParameterHandling):
         if self._reducer is None:
             return ReductionStats(num_parameters=0)
         return self._reducer.stats()
+
+    def rebuild_after_regroup(self) -> None:
+        """A new gradient reducer over the regrouped communicator, for the same parameters
+        in the same order (none with one replica left); the old one is closed (its hooks
+        do nothing from then on)."""
+        old = self._reducer
+        params = old.parameters if old is not None else []
+        if old is not None:
+            old.close()
+        self._reducer = None
+        if self.world_size > 1 and params:
+            kwargs: dict[str, Any] = {} if self._bucket_cap_bytes is None else \
+                {"bucket_cap_bytes": self._bucket_cap_bytes}
+            self._reducer = GradientReducer(self.communicator, **kwargs)
+            self._reducer.add_parameters(params)

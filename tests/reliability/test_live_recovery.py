@@ -1,0 +1,185 @@
+"""Live recovery (issue 34): replicas SIGKILLed mid-step, the survivors regroup in the same
+processes and finish with the weights of one device; where recovery is impossible, every
+survivor ends with the reason and exit code 42.
+
+Each job is real processes on gloo over loopback, given a launcher's variables (RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT; rank 0 hosts the rendezvous store), running
+tests/scripts/live_recovery_train.py. Every process is bounded (a collective timeout of
+60 s, the job killed at 150 s) and killed at the end whatever happened.
+"""
+import json
+import multiprocessing
+import os
+import signal
+import socket
+import time
+
+import pytest
+import torch
+
+from tests.scripts import live_recovery_train as script
+from torchstrategy.fault_tolerance.batch_split import check_divisible, replica_slice
+from torchstrategy.fault_tolerance.step_snapshot import StepSnapshot
+
+JOB_SECONDS = 150
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_job(context, out, replicas, kills, min_replicas, steps, global_batch=6):
+    os.makedirs(out, exist_ok=True)
+    config = {"out": str(out), "steps": steps, "global_batch": global_batch,
+              "min_replicas": min_replicas, "kills": kills}
+    port = _free_port()
+    processes = []
+    for rank in range(replicas):
+        environment = {"RANK": str(rank), "WORLD_SIZE": str(replicas),
+                       "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(replicas),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "TORCHSTRATEGY_TIMEOUT_SECONDS": "60"}
+        process = context.Process(target=script.replica, name=f"live-recovery-{rank}",
+                                  args=(environment, config,
+                                        os.path.join(out, f"log{rank}")))
+        process.start()
+        processes.append(process)
+    return processes
+
+
+def _finish_jobs(jobs):
+    """Waits for every process of `jobs` ({name: (out, processes)}), bounded; kills what is
+    left; returns {name: (exit codes, logs, results by rank)}."""
+    deadline = time.monotonic() + JOB_SECONDS
+    try:
+        for _, processes in jobs.values():
+            for process in processes:
+                process.join(max(0.1, deadline - time.monotonic()))
+    finally:
+        for _, processes in jobs.values():
+            for process in processes:
+                if process.is_alive():
+                    process.kill()
+                process.join()
+    outcome = {}
+    for name, (out, processes) in jobs.items():
+        logs, results = [], {}
+        for rank in range(len(processes)):
+            with open(os.path.join(out, f"log{rank}")) as f:
+                logs.append(f.read())
+            path = os.path.join(out, f"rank{rank}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    results[rank] = json.load(f)
+        outcome[name] = ([p.exitcode for p in processes], logs, results)
+    return outcome
+
+
+def _one_device(steps, global_batch):
+    model, optimizer = script.model_and_optimizer()
+    x, y = script.data(steps, global_batch)
+    for s in range(steps):
+        xb, yb = x[s * global_batch:(s + 1) * global_batch], y[s * global_batch:(s + 1) * global_batch]
+        (model(xb) - yb).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """Three jobs: 3 replicas losing two, one at a time (training goes on); 2 replicas losing
+    the chief (exit 42); 2 replicas with min_replicas=2 losing one (exit 42). The two small
+    jobs run together (4 processes at most at any time). The replicas are forked by one
+    fork server that imported torch and torchstrategy once."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torchstrategy", "torch.optim",
+                                    "tests.scripts.live_recovery_train"])
+    root = tmp_path_factory.mktemp("live_recovery")
+    recovered = {"recovered": (root / "recovered", _start_job(
+        context, root / "recovered", 3, [[2, 3, "backward"], [1, 6, "after_step"]],
+        min_replicas=1, steps=8))}
+    outcome = _finish_jobs(recovered)
+    impossible = {
+        "chief_lost": (root / "chief_lost", _start_job(
+            context, root / "chief_lost", 2, [[0, 2, "backward"]], min_replicas=1,
+            steps=5)),
+        "below_minimum": (root / "below_minimum", _start_job(
+            context, root / "below_minimum", 2, [[1, 2, "backward"]], min_replicas=2,
+            steps=5)),
+    }
+    outcome.update(_finish_jobs(impossible))
+    return outcome
+
+
+def test_two_losses_mid_step_survivors_equal_one_device(jobs):
+    codes, logs, results = jobs["recovered"]
+    # Replica 2 killed between forward and backward of step 3 (the others wait in the
+    # gradient all-reduce), replica 1 after its optimizer stepped at step 6 (replica 0's
+    # step ran to its end too: it must be undone, not applied twice).
+    assert codes == [0, -signal.SIGKILL, -signal.SIGKILL], logs[0][-3000:]
+    result = results[0]
+    assert result["steps"] == 8
+    assert result["replicas_per_step"] == [3, 3, 3, 2, 2, 2, 1, 1]
+    assert [(r[0], r[1], r[2]) for r in result["recoveries"]] == [(3, [2], 2), (6, [1], 1)]
+    for recovery in result["recoveries"]:
+        assert recovery[3] < 10, result["recoveries"]
+    assert "replica(s) [2] lost during step 3" in logs[0]
+    expected = _one_device(8, 6)
+    for got, want in zip(result["params"], expected):
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want,
+                                   rtol=0, atol=1e-6)
+
+
+def test_chief_lost_ends_survivor_with_42(jobs):
+    codes, logs, _ = jobs["chief_lost"]
+    assert codes == [-signal.SIGKILL, 42], logs[1][-3000:]
+    assert "live recovery cannot continue on replica 1: the rendezvous store stopped " \
+           "answering" in logs[1]
+    assert "Exiting with code 42" in logs[1]
+
+
+def test_fewer_survivors_than_minimum_ends_with_42(jobs):
+    codes, logs, _ = jobs["below_minimum"]
+    assert codes == [42, -signal.SIGKILL], logs[0][-3000:]
+    assert "1 replica(s) survive the loss of replica(s) [1], fewer than min_replicas=2" \
+        in logs[0]
+
+
+def test_global_batch_every_size_must_divide_is_refused_naming_sizes():
+    check_divisible(6, range(1, 4))
+    with pytest.raises(ValueError, match=r"any of \[2, 3\] replicas, but a global batch of "
+                                         r"4 samples cannot be split equally among \[3\].*"
+                                         r"a multiple of 6"):
+        check_divisible(4, range(2, 4))
+
+
+def test_replica_slice_takes_the_global_batch_in_order():
+    batch = (torch.arange(6), torch.arange(6) * 10)
+    shares = [replica_slice(batch, r, 3, 6) for r in range(3)]
+    assert torch.equal(torch.cat([s[0] for s in shares]), batch[0])
+    assert torch.equal(shares[1][1], torch.tensor([20, 30]))
+    with pytest.raises(ValueError, match="drop_last=True"):
+        replica_slice(torch.arange(5), 0, 1, 6)
+
+
+def test_snapshot_restores_parameters_gradients_optimizer_state_and_random_state():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    snapshot = StepSnapshot({"model": model, "optimizer": optimizer})
+    before = [p.detach().clone() for p in model.parameters()]
+    snapshot.take()
+    expected_noise = torch.rand(3)
+    model(torch.rand(4, 3)).sum().backward()
+    optimizer.step()          # creates Adam's state: removed by restore
+    optimizer.param_groups[0]["lr"] = 0.5
+    snapshot.restore()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    assert all(p.grad is None for p in model.parameters())
+    assert len(optimizer.state) == 0 and optimizer.param_groups[0]["lr"] == 0.1
+    assert torch.equal(torch.rand(3), expected_noise)
+    with pytest.raises(TypeError, match="'data' is a list"):
+        StepSnapshot({"data": []})

@@ -1,0 +1,102 @@
+"""One replica of a job trained under live recovery (tests/reliability/test_live_recovery.py).
+
+Started by the test as a launcher would (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT; rank 0 hosts the rendezvous store). Arguments: a JSON object
+with ``out`` (a directory), ``steps``, ``global_batch``, ``min_replicas``, and ``kills``:
+``[[rank, step, where], ...]``, where ``where`` is ``"backward"`` (SIGKILL between the
+forward and the backward: the others wait in the gradient all-reduce) or ``"after_step"``
+(SIGKILL after the optimizer stepped, before the replica's vote). Each surviving replica
+writes ``out/rank<R>.json``: its final fp64 parameters, the recoveries, the step count.
+"""
+import json
+import os
+import signal
+import sys
+
+import torch
+
+import torchstrategy as ts
+from torchstrategy import runtime
+from torchstrategy.fault_tolerance.live_recovery import LiveRecovery
+
+
+def data(steps, global_batch):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(steps * global_batch, 4, generator=generator, dtype=torch.float64)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]], dtype=torch.float64) + 0.1
+    return x, y
+
+
+def model_and_optimizer():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+                                torch.nn.Linear(8, 1)).double()
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def main(config):
+    rank = int(os.environ["RANK"])
+    strategy = ts.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model, optimizer = model_and_optimizer()
+    recovery = LiveRecovery(strategy, {"model": model, "optimizer": optimizer},
+                            global_batch_size=config["global_batch"],
+                            min_replicas=config["min_replicas"],
+                            failure_detection_seconds=1.0, recovery_timeout_seconds=20.0)
+    kills = {(r, s): where for r, s, where in config["kills"]}
+    x, y = data(config["steps"], config["global_batch"])
+    g = config["global_batch"]
+    replicas_per_step = []
+
+    def train_step(batch):
+        xb, yb = batch
+        where = kills.get((rank, recovery.step))
+        per_example = (model(xb) - yb).pow(2).squeeze(1)
+        loss = ts.compute_average_loss(per_example, global_batch_size=g)
+        if where == "backward":
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if where == "after_step":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return loss.detach()
+
+    while recovery.step < config["steps"]:
+        s = recovery.step
+        recovery.run(train_step, (x[s * g:(s + 1) * g], y[s * g:(s + 1) * g]))
+        replicas_per_step.append(recovery.num_replicas)
+    result = {"params": [p.detach().tolist() for p in model.parameters()],
+              "steps": recovery.step, "replicas_per_step": replicas_per_step,
+              "recoveries": [[r.step, list(r.lost), r.replicas, r.seconds]
+                             for r in recovery.recoveries]}
+    with open(os.path.join(config["out"], f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def replica(environment, config, log_path):
+    """The same replica in a process forked by the test's fork server (torch already
+    imported there): `environment` is the launcher's variables, the output goes to
+    `log_path`; the runtime's shutdown, which a forked child does not run at exit, runs
+    here."""
+    for name in ("TORCHELASTIC_RUN_ID", "TORCHSTRATEGY_LAUNCHER", "TORCHSTRATEGY_PARENT_PID",
+                 "TORCHSTRATEGY_PUBLISHED_WORLD", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_WORLD_SIZE"):
+        os.environ.pop(name, None)   # the test's own launcher, if any, is not this job's
+    os.environ.update(environment)
+    torch.set_num_threads(1)
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    sys.stderr = os.fdopen(2, "w", buffering=1)
+    try:
+        main(config)
+    finally:
+        runtime.current().shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

@@ -1,0 +1,392 @@
+"""Live recovery: lose a replica (or a machine) mid-step, lose no step, keep training exact.
+
+`LiveRecovery` runs each step of a data-parallel job so that the loss of replicas without
+notice (SIGKILL, a crash, a machine gone) costs seconds and changes nothing in the result:
+
+1. every step starts from an in-memory copy of what it changes (`step_snapshot`) and the
+   replicas take their share of the *global* batch (`batch_split`);
+2. after the step, every replica votes in the rendezvous store; the step commits on all
+   replicas or on none (`step_commit`);
+3. when a replica is lost, its collective breaks on the survivors (gloo's connection
+   closes at once; at worst the collective timeout), or its heartbeat stops while the
+   others wait for its vote (`membership`); the survivors put their state back, close
+   their broken group (which breaks the collectives of the survivors still waiting in one),
+   agree on who is alive, build a new process group among themselves in the same
+   processes (`Runtime.regroup`, under a store prefix new for the generation), and redo the
+   interrupted step on the same global batch split among them. N replicas still equal one
+   device, through every loss.
+
+Where it cannot recover, every survivor ends with the reason and exit code 42 (the code
+`PreemptionCheckpointHandler` exits with, which torchrun, SLURM's ``RequeueExit=42`` and
+the requeue wrapper read as "restart me"), so the scheduler's restart and
+`BackupAndRestore` take over: the rendezvous store's host (the chief) lost, fewer
+survivors than ``min_replicas``, or a survivor that did not join the new group in time
+(a second failure during the recovery).
+
+The loop changes in one line: ``strategy.run(step, args=(batch,))`` becomes
+``recovery.run(step, global_batch)``, on every replica with the same global batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import socket
+import time
+import uuid
+from typing import Any, Callable, Mapping, NoReturn
+
+import torch.distributed as dist
+
+from torchstrategy import runtime
+from torchstrategy.collectives.communicator import CollectiveError
+from torchstrategy.fault_tolerance import termination
+from torchstrategy.fault_tolerance.batch_split import check_divisible, replica_slice
+from torchstrategy.fault_tolerance.membership import (Heartbeat, StoreLost,
+                                                      agree_on_survivors)
+from torchstrategy.fault_tolerance.step_commit import ABORT, StepCommit
+from torchstrategy.fault_tolerance.step_snapshot import StepSnapshot
+from torchstrategy.launch import rendezvous
+from torchstrategy.launch import world as world_lib
+from torchstrategy.strategies.base import Strategy
+from torchstrategy.strategies.data_parallel import DataParallelExtended
+from torchstrategy.strategies.parameters import ParameterHandling
+
+logger = logging.getLogger("torchstrategy")
+
+# Launchers that stop every replica when one dies: live recovery cannot run under them.
+_ALL_OR_NOTHING_LAUNCHERS = {
+    "launch": "ts.launch stops every replica when one dies",
+    "reexec": "a re-executed `python train.py` (one machine, or TF_CONFIG) stops its "
+              "machine's replicas when one dies",
+}
+# Text of a collective broken by a lost replica when torch raises it without our wrapper.
+_BROKEN_CONNECTION = ("connection reset", "connection closed", "connection refused",
+                      "broken pipe", "timed out", "pair.cc")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recovery:
+    """One recovery: at `step` (the step redone), the replicas `lost` (their original
+    ranks) left, `replicas` remained, and training went on `seconds` after the failure
+    was noticed (the survivors' agreement and the new group; the redone step excluded)."""
+
+    step: int
+    lost: tuple[int, ...]
+    replicas: int
+    seconds: float
+
+
+class LiveRecoveryError(RuntimeError):
+    """A replica's step raised an error that is not a lost replica (a bug, bad data): every
+    replica raises it instead of recovering."""
+
+
+def _lost_replica(error: BaseException) -> bool:
+    """Whether `error`, raised by a step, is a collective broken by a replica that died (as
+    opposed to an error of the program)."""
+    if isinstance(error, (CollectiveError, dist.DistError)):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(t in text for t in _BROKEN_CONNECTION)
+
+
+def _cannot_regroup(extended: DataParallelExtended) -> str:
+    """Why `extended` cannot continue on a regrouped set of replicas ("" if it can)."""
+    handling = type(extended.parameters)
+    if handling.rebuild_after_regroup is ParameterHandling.rebuild_after_regroup:
+        return (f"{handling.__name__} (its parameters are not mirrored: ShardedStrategy's "
+                "shards live on the lost replicas too); use BackupAndRestore")
+    ops = extended.communicator.cross_device_ops
+    if getattr(ops, "create_groups", None) is not None:
+        return (f"{type(ops).__name__}, whose per-machine groups hold the original "
+                "replicas; use the default cross_device_ops")
+    compression = getattr(ops, "compression", None)
+    if compression is not None and not isinstance(compression, str):
+        return (f"compression={compression!r}, whose error-feedback state is kept per "
+                "replica and would be lost with them; use no compression or a cast "
+                "(\"bf16\", \"fp16\")")
+    return ""
+
+
+class LiveRecovery:
+    """Runs the steps of `strategy` so that lost replicas are replaced by a regrouping of
+    the survivors in the same processes, without losing or repeating a step (see the module
+    docstring).
+
+    Args:
+      strategy: a `MultiWorkerMirroredStrategy` (or `MirroredStrategy`) whose replicas are
+        each started by a launcher that lets the others live on when one dies: srun, one
+        ``torchrun`` per machine (``--max-restarts=0``), or a cluster manager's processes.
+      objects: name -> model or optimizer: everything the step changes (put back when a
+        step does not commit).
+      global_batch_size: the samples of every global batch given to `run`; every replica
+        count from `min_replicas` to the job's must divide it.
+      min_replicas: below this many survivors the job ends with exit code 42 instead.
+      failure_detection_seconds: a replica whose heartbeat has not moved for this long,
+        while the others wait for it, is taken for lost (heartbeats every 0.2 s).
+      recovery_timeout_seconds: bound on the survivors' agreement and on building their new
+        group; beyond it the job ends with exit code 42.
+      exit_fn: called (on each survivor) when recovery is impossible; default
+        ``sys.exit(42)``.
+
+    Raises:
+      TypeError: a strategy that does not keep one replica per process in a data-parallel
+        group, whose parameters are sharded (ShardedStrategy), whose cross-device ops keep
+        sub-groups (HierarchicalCopyAllReduce) or per-replica compression state
+        (PowerSGD, Int8); objects that are not modules or optimizers.
+      ValueError: a global batch that some replica count from `min_replicas` to the job's
+        does not divide (naming them), a bad `min_replicas`, or a launcher that stops every
+        replica when one dies.
+    """
+
+    def __init__(self, strategy: Strategy, objects: Mapping[str, Any], *,
+                 global_batch_size: int, min_replicas: int = 1,
+                 failure_detection_seconds: float = 2.0,
+                 recovery_timeout_seconds: float = 60.0,
+                 exit_fn: Callable[[], Any] | None = None) -> None:
+        extended = strategy.extended
+        if not isinstance(extended, DataParallelExtended):
+            raise TypeError(f"LiveRecovery needs a MultiWorkerMirroredStrategy or "
+                            f"MirroredStrategy, got {type(strategy).__name__}.")
+        refusal = _cannot_regroup(extended)
+        if refusal:
+            raise TypeError(f"torchstrategy: live recovery cannot run with {refusal}.")
+        world = runtime.current().world
+        size = extended.communicator.world_size
+        if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or \
+                not 1 <= min_replicas <= size:
+            raise ValueError(f"min_replicas must be an int from 1 to the job's {size} "
+                             f"replicas, got {min_replicas!r}.")
+        check_divisible(global_batch_size, range(min_replicas, size + 1))
+        if world is not None and size > 1 and world.launcher in _ALL_OR_NOTHING_LAUNCHERS:
+            raise ValueError(
+                f"torchstrategy: live recovery cannot run here: "
+                f"{_ALL_OR_NOTHING_LAUNCHERS[world.launcher]}. Start each replica with a "
+                "launcher that lets the others live on: srun, one torchrun per machine "
+                "(--max-restarts=0), or one process per replica (RANK, WORLD_SIZE, "
+                "MASTER_ADDR, MASTER_PORT).")
+        self._strategy = strategy
+        self._extended = extended
+        self._snapshot = StepSnapshot(objects)
+        self._global_batch_size = global_batch_size
+        self._min_replicas = min_replicas
+        self._dead_after = float(failure_detection_seconds)
+        self._recovery_timeout = float(recovery_timeout_seconds)
+        self._exit_fn = exit_fn or termination.exit_for_restart
+        self._timeout = world_lib.timeout_seconds(
+            getattr(getattr(strategy, "communication_options", None), "timeout_seconds",
+                    None))
+        self._uid = extended.communicator.rank   # the original rank: a replica's name
+        self._members = list(range(size))
+        self._generation = 0
+        self.step = 0
+        self.recoveries: list[Recovery] = []
+        self._heartbeat: Heartbeat | None = None
+        self._store: dist.Store | None = None
+        if size == 1:
+            return
+        assert world is not None and world.master_port, "a world of several replicas"
+        self._world = world
+        # A prefix new for this job's recovery, the same on every replica: replica 0's.
+        token = extended.communicator.broadcast_object(uuid.uuid4().hex)
+        self._prefix = f"torchstrategy/live/{token}/"
+        timeout = datetime.timedelta(seconds=self._timeout)
+        # On the replica that hosts the rendezvous store (torch's env:// makes rank 0 its
+        # server), the server lives as long as something references it: the default group
+        # does, and it is destroyed by a recovery. This reference keeps it serving.
+        self._hosted_store = runtime.current().rendezvous_store()
+        # Connections of our own to the rendezvous store: one for this thread, one for the
+        # heartbeat thread (the group's own is destroyed with the group).
+        self._store = rendezvous.connect(world.master_addr, world.master_port, size, timeout)
+        self._heartbeat = Heartbeat(
+            rendezvous.connect(world.master_addr, world.master_port, size, timeout),
+            self._prefix, self._uid)
+        self._commit = self._new_commit()
+        # The roll call that names missing replicas after a failed collective takes seconds;
+        # here the survivors name the lost replicas themselves, once they agreed.
+        extended.communicator.diagnose = None
+        runtime.current().on_shutdown(f"torchstrategy.live_recovery.{token}", self._finish)
+        termination.install_default_log_handler()
+
+    # -- the step --------------------------------------------------------------------------
+    @property
+    def num_replicas(self) -> int:
+        """The replicas training now (the job's, less those lost)."""
+        return self._extended.communicator.world_size
+
+    def run(self, fn: Callable[..., Any], global_batch: Any) -> Any:
+        """Runs ``strategy.run(fn, args=(share,))``, `share` being this replica's share of
+        `global_batch` (the same global batch on every replica), and returns its result once
+        the step committed on every replica. A step interrupted by lost replicas is undone
+        and redone among the survivors on the same global batch before this returns.
+
+        Raises:
+          LiveRecoveryError: a replica's step raised an error of the program (re-raised
+            there as it is).
+          ValueError: a batch whose leaves do not have `global_batch_size` rows.
+          SystemExit(42): recovery impossible (through `exit_fn`).
+        """
+        if self._store is None:   # one replica: nothing to recover
+            result = self._strategy.run(fn, args=(global_batch,))
+            self.step += 1
+            return result
+        while True:
+            comm = self._extended.communicator
+            share = replica_slice(global_batch, comm.rank, comm.world_size,
+                                  self._global_batch_size)
+            self._snapshot.take()
+            failure: BaseException | None = None
+            try:
+                result = self._strategy.run(fn, args=(share,))
+            except Exception as error:
+                if not _lost_replica(error):
+                    self._report_error(error)
+                    raise
+                failure = error
+            try:
+                committed = self._commit.decide(self.step, failure is None)
+            except StoreLost as error:
+                self._give_up(f"the rendezvous store stopped answering ({error}): the chief, "
+                              "whose machine hosts it, is lost")
+            if committed:
+                self.step += 1
+                return result
+            self._check_error_reported()
+            self._snapshot.restore()
+            self._regroup(failure)
+
+    def _report_error(self, error: BaseException) -> None:
+        """Tells the others that this replica's step failed by an error of the program: they
+        raise too instead of recovering."""
+        assert self._store is not None
+        try:
+            self._store.compare_set(f"{self._prefix}error", "",
+                                    f"replica {self._uid}: {type(error).__name__}: "
+                                    f"{str(error)[:500]}")
+            self._store.compare_set(f"{self._prefix}gen{self._generation}/step{self.step}/"
+                                    "decision", "", ABORT)
+        except Exception:  # the store is gone: the others find out by themselves
+            pass
+
+    def _check_error_reported(self) -> None:
+        assert self._store is not None
+        try:
+            if self._store.check([f"{self._prefix}error"]):
+                raise LiveRecoveryError(
+                    "torchstrategy: the step failed on another replica with an error of the "
+                    f"program, not a lost replica: {self._store.get(f'{self._prefix}error').decode()}")
+        except LiveRecoveryError:
+            raise
+        except Exception:
+            pass
+
+    # -- the recovery ----------------------------------------------------------------------
+    def _new_commit(self) -> StepCommit:
+        assert self._store is not None
+        return StepCommit(self._store, f"{self._prefix}gen{self._generation}/",
+                          self._members, self._prefix, self._dead_after)
+
+    def _regroup(self, failure: BaseException | None) -> None:
+        """After a step that did not commit: the survivors agree on who they are, build a new
+        group and continue as its replicas (see the module docstring)."""
+        assert self._store is not None
+        noticed = time.monotonic()
+        process = runtime.current()
+        # Our end of the broken group closes now: a survivor still blocked in a collective
+        # with us fails at once instead of at its timeout.
+        process.abandon_process_group()
+        generation = self._generation + 1
+        prefix = f"{self._prefix}gen{generation}/"
+        info = json.dumps([self._world.node_rank, socket.gethostname()])
+        try:
+            survivors = agree_on_survivors(self._store, prefix, self._uid, self._members,
+                                           self._dead_after,
+                                           noticed + self._recovery_timeout, info)
+        except StoreLost as error:
+            self._give_up(f"the rendezvous store stopped answering ({error}): the chief, "
+                          "whose machine hosts it, is lost")
+        except TimeoutError as error:
+            self._give_up(f"the survivors could not agree within "
+                          f"{self._recovery_timeout:g} s: {error}")
+        lost = tuple(m for m in self._members if m not in survivors)
+        if self._uid not in survivors:
+            self._give_up("the other replicas counted this one as lost (its heartbeat "
+                          "stalled) and continued without it")
+        if len(survivors) < self._min_replicas:
+            self._give_up(f"{len(survivors)} replica(s) survive the loss of replica(s) "
+                          f"{list(lost)}, fewer than min_replicas={self._min_replicas}")
+        world = self._survivors_world(prefix, survivors)
+        store = dist.PrefixStore(f"{prefix}group/", self._store)
+        store.set_timeout(datetime.timedelta(seconds=self._recovery_timeout))
+        try:
+            process.regroup(world, self._extended.communicator.backend, store, self._timeout)
+        except Exception as error:  # gloo's and the store's errors alike
+            self._give_up(f"a second failure during the recovery: the survivors {survivors} "
+                          f"could not build their new group "
+                          f"({str(error).splitlines()[0][:200]})")
+        self._extended.continue_on_regrouped_world(world)
+        self._members = survivors
+        self._generation = generation
+        self._commit = self._new_commit()
+        seconds = time.monotonic() - noticed
+        self.recoveries.append(Recovery(self.step, lost, len(survivors), seconds))
+        if world.rank == 0:
+            cause = "" if failure is None else f" ({str(failure).splitlines()[0][:160]})"
+            logger.warning(
+                f"torchstrategy: live recovery: replica(s) {list(lost)} lost during step "
+                f"{self.step}{cause}; {len(survivors)} replica(s) regrouped in "
+                f"{seconds:.2f} s and redo the step on the same global batch.")
+
+    def _survivors_world(self, prefix: str, survivors: list[int]) -> world_lib.World:
+        """This replica's place among `survivors` (their machines read from what each
+        registered)."""
+        assert self._store is not None
+        machines = {}
+        for uid in survivors:
+            node, _host = json.loads(self._store.get(f"{prefix}alive/{uid}"))
+            machines[uid] = node
+        nodes = sorted(set(machines.values()))
+        mine = machines[self._uid]
+        on_my_machine = [u for u in survivors if machines[u] == mine]
+        return dataclasses.replace(
+            self._world, rank=survivors.index(self._uid), world_size=len(survivors),
+            local_rank=on_my_machine.index(self._uid), local_world_size=len(on_my_machine),
+            node_rank=nodes.index(mine), num_nodes=len(nodes), store=None)
+
+    def _give_up(self, reason: str) -> NoReturn:
+        """Ends this replica: the reason, then `exit_fn` (exit code 42)."""
+        logger.error(f"torchstrategy: live recovery cannot continue on replica {self._uid}: "
+                     f"{reason}. Exiting with code {termination.RESTART_EXIT_CODE} for the "
+                     "scheduler to restart the job (BackupAndRestore resumes it).")
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        try:
+            runtime.current().abandon_process_group()
+        except Exception:  # a broken group: nothing more to release
+            pass
+        self._exit_fn()
+        raise RuntimeError(f"torchstrategy: live recovery cannot continue: {reason}")
+
+    def _finish(self) -> None:
+        """At exit: the replicas leave together, so that the chief (which hosts the store)
+        does not end while another still reads its last step's decision."""
+        if self._store is None or self._heartbeat is None:
+            return
+        self._heartbeat.stop()
+        if self._heartbeat.lost.is_set():
+            return
+        key = f"{self._prefix}gen{self._generation}/finished"
+        deadline = time.monotonic() + 10.0
+        try:
+            self._store.add(key, 1)
+            while int(self._store.add(key, 0)) < len(self._members) and \
+                    time.monotonic() < deadline:
+                time.sleep(0.02)
+        except Exception:  # the store is gone: nobody left to wait for
+            pass
+        # Our store connections (and, on the chief, the server) end here, before the
+        # interpreter's teardown, where freeing them can block.
+        self._store = self._hosted_store = None
+        self._heartbeat = None

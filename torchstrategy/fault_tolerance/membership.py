@@ -1,0 +1,168 @@
+"""Who is alive: heartbeats in the rendezvous store, and the survivors' agreement.
+
+Each replica of a job with live recovery keeps a counter in the rendezvous store, raised
+every `interval` seconds by a daemon thread over a store connection of its own (a
+collective cannot tell a dead replica from a slow one; a counter that stopped can). A
+replica that waits for the others (the commit of a step, the roll call after a failure)
+takes one whose counter has not moved for `dead_after` seconds for dead.
+
+After a failure every survivor registers under the next generation's prefix and waits
+until each member of the old group has either registered or been found dead; the first
+survivor to finish writes the list of survivors with ``compare_set`` and every survivor
+adopts that list, so all of them agree on the same members even if their views differed
+for a moment (torchft's quorum does the same through its coordinator).
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Callable, Sequence
+
+import torch.distributed as dist
+
+
+class StoreLost(RuntimeError):
+    """The rendezvous store stopped answering: the machine that hosts it (the chief's) is
+    gone or unreachable."""
+
+
+def _counter_key(prefix: str, uid: int) -> str:
+    return f"{prefix}heartbeat/{uid}"
+
+
+class Heartbeat:
+    """A daemon thread raising this replica's counter every `interval` seconds over
+    `store` (a connection no other thread uses). `stop()` ends it; a store that stops
+    answering ends it too, and `lost` is then set."""
+
+    def __init__(self, store: dist.Store, prefix: str, uid: int,
+                 interval: float = 0.2) -> None:
+        self._store = store
+        self._key = _counter_key(prefix, uid)
+        self._interval = interval
+        self._stopped = threading.Event()
+        self.lost = threading.Event()
+        store.add(self._key, 1)
+        self._thread = threading.Thread(target=self._beat, daemon=True,
+                                        name=f"torchstrategy-heartbeat-{uid}")
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stopped.wait(self._interval):
+            try:
+                self._store.add(self._key, 1)
+            except Exception:  # the store's host is gone: the main thread will find out
+                self.lost.set()
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(2 * self._interval + 1.0)
+
+
+class LivenessWatch:
+    """Tells, from the heartbeat counters of `uids`, which replicas stopped: a replica
+    whose counter has not changed for `dead_after` seconds (measured here, so the
+    machines' clocks need not agree)."""
+
+    def __init__(self, store: dist.Store, prefix: str, uids: Sequence[int],
+                 dead_after: float) -> None:
+        self._store = store
+        self._prefix = prefix
+        self._dead_after = dead_after
+        now = time.monotonic()
+        self._seen: dict[int, tuple[int, float]] = {uid: (-1, now) for uid in uids}
+
+    def dead(self) -> list[int]:
+        """The replicas found dead now (one store request per replica watched).
+
+        Raises:
+          StoreLost: the store did not answer.
+        """
+        now = time.monotonic()
+        found = []
+        for uid, (count, since) in self._seen.items():
+            try:
+                value = int(self._store.add(_counter_key(self._prefix, uid), 0))
+            except Exception as error:
+                raise StoreLost(str(error).splitlines()[0][:200]) from error
+            if value != count:
+                self._seen[uid] = (value, now)
+            elif now - since >= self._dead_after:
+                found.append(uid)
+        return found
+
+
+def agree_on_survivors(store: dist.Store, prefix: str, uid: int, members: Sequence[int],
+                       dead_after: float, deadline: float,
+                       info: str = "") -> list[int]:
+    """Registers `uid` as alive under `prefix` and returns the survivors of `members`
+    (sorted uids) every survivor agrees on.
+
+    Waits until each of `members` has registered or its heartbeat stopped for
+    `dead_after` seconds, then proposes the registered ones; the first proposal written
+    (``compare_set``) is the answer on every replica. `info` is stored beside the
+    registration (the machine's name, for messages).
+
+    Raises:
+      StoreLost: the store stopped answering.
+      TimeoutError: the members were not all accounted for by `deadline` (a
+        ``time.monotonic()`` value).
+    """
+    registered = f"{prefix}alive/"
+    try:
+        store.set(f"{registered}{uid}", info or "alive")
+        watch = LivenessWatch(store, prefix, members, dead_after)
+        decided = f"{prefix}survivors"
+        while True:
+            if store.check([decided]):
+                return json.loads(store.get(decided))
+            alive = [m for m in members if store.check([f"{registered}{m}"])]
+            dead = set(watch.dead()) - set(alive)
+            if len(alive) + len(dead) == len(members):
+                proposal = json.dumps(sorted(alive))
+                winner = store.compare_set(decided, "", proposal)
+                return json.loads(winner)
+            if time.monotonic() > deadline:
+                missing = [m for m in members if m not in alive and m not in dead]
+                raise TimeoutError(f"replica(s) {missing} neither rejoined nor stopped "
+                                   "their heartbeat in time")
+            time.sleep(0.02)
+    except (TimeoutError, StoreLost):
+        raise
+    except Exception as error:  # TCPStore's errors: the store's host is gone
+        raise StoreLost(str(error).splitlines()[0][:200]) from error
+
+
+def wait_for_key(store: dist.Store, key: str, watch: LivenessWatch,
+                 on_dead: Callable[[list[int]], None], poll_seconds: float = 0.25) -> bytes:
+    """Waits for `key` in `store` and returns its value; while waiting, every
+    `poll_seconds`, asks `watch` for dead replicas and calls `on_dead(them)` once some are
+    found (which is expected to set `key`).
+
+    The key is polled (``check``), from every 50 µs at first to every 5 ms: the key is
+    usually written within a moment (the last replica's vote), and torch's ``wait`` with a
+    short timeout logs a warning at each expiry.
+
+    Raises:
+      StoreLost: the store stopped answering.
+    """
+    told = False
+    pause = 5e-5
+    next_watch = time.monotonic() + poll_seconds
+    try:
+        while not store.check([key]):
+            time.sleep(pause)
+            pause = min(2 * pause, 5e-3)
+            if time.monotonic() >= next_watch:
+                next_watch = time.monotonic() + poll_seconds
+                dead = watch.dead()
+                if dead and not told:
+                    told = True
+                    on_dead(dead)
+        return store.get(key)
+    except StoreLost:
+        raise
+    except Exception as error:  # TCPStore's errors: the store's host is gone
+        raise StoreLost(str(error).splitlines()[0][:200]) from error

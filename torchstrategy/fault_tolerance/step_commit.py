@@ -1,0 +1,62 @@
+"""A step commits on every replica or on none: one vote per replica in the rendezvous store.
+
+After its step ran (the gradients summed, the optimizer stepped), each replica adds its
+vote to the step's counter; the replica whose vote completes the count writes "commit" as
+the step's decision. A replica whose step failed (a collective broke because a replica
+died), or that finds a replica's heartbeat stopped while it waits, writes "abort". The
+decision is written with ``compare_set``, so the first one written is the only one:
+"commit" is only ever written once every replica's step ran to its end, and every replica
+obeys the decision it reads. A replica that reads "abort" puts its state back as it was at
+the start of the step (`step_snapshot`) and the survivors redo the step together.
+
+This is torchft's ``should_commit`` made exact: torchft drops a failed group's
+contribution from the step; here the step is redone on its whole global batch.
+
+Cost when nothing fails: one ``add`` and one ``wait`` on the store per replica per step
+(plus one ``compare_set`` on the last), measured in scripts/bench_recovery.py.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch.distributed as dist
+
+from torchstrategy.fault_tolerance.membership import LivenessWatch, StoreLost, wait_for_key
+
+COMMIT = "commit"
+ABORT = "abort"
+
+
+class StepCommit:
+    """The votes of one generation's members (`uids`, this replica being `uid`), under
+    `prefix` in `store`. ``decide(step, ran)`` is called by every member once per
+    attempt of each step."""
+
+    def __init__(self, store: dist.Store, prefix: str, uids: Sequence[int],
+                 heartbeat_prefix: str, dead_after: float) -> None:
+        self._store = store
+        self._prefix = prefix
+        self._size = len(uids)
+        self._watch = LivenessWatch(store, heartbeat_prefix, uids, dead_after)
+
+    def decide(self, step: int, ran: bool) -> bool:
+        """Votes for `step` (`ran`: whether this replica's step ran to its end) and returns
+        whether the step commits (True on every replica, or False on every replica).
+
+        Raises:
+          StoreLost: the store stopped answering (its host, the chief's machine, is gone).
+        """
+        decision = f"{self._prefix}step{step}/decision"
+        try:
+            if not ran:
+                return self._store.compare_set(decision, "", ABORT) == COMMIT.encode()
+            votes = self._store.add(f"{self._prefix}step{step}/votes", 1)
+            if votes == self._size:
+                return self._store.compare_set(decision, "", COMMIT) == COMMIT.encode()
+        except Exception as error:  # TCPStore's errors: its host is gone
+            raise StoreLost(str(error).splitlines()[0][:200]) from error
+
+        def abort(dead: list[int]) -> None:
+            self._store.compare_set(decision, "", ABORT)
+
+        return wait_for_key(self._store, decision, self._watch, abort) == COMMIT.encode()

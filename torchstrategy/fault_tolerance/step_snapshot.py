@@ -1,0 +1,134 @@
+"""What a step changes, kept in memory so that a step that did not commit can be undone.
+
+Live recovery commits a step on every replica or on none: a replica whose step ran to the
+end (its optimizer stepped) while another died must be able to go back to where the step
+began, and redo it with the survivors. `StepSnapshot` keeps, at the start of each step,
+copies of what a training step changes: parameters, buffers and their gradients, the
+optimizers' state and hyper-parameters, and the random generators' states. Horovod
+elastic keeps the same kind of in-memory copy (its ``state.commit()``), every few steps;
+here it is taken every step, so no committed step is ever redone.
+
+The copies go into buffers allocated once and overwritten in place (`Tensor.copy_`), so
+a step pays one memory copy of its state and no allocation.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Mapping
+
+import torch
+
+from torchstrategy import module_state
+
+
+class StepSnapshot:
+    """Copies of the state of `objects` (modules and optimizers, by name), taken by `take`
+    and put back by `restore`.
+
+    Guarantees: after ``restore()`` every parameter, buffer, gradient (a gradient that was
+    None is None again), optimizer state entry and hyper-parameter, and torch's CPU (and
+    current CUDA device's) random generator, holds exactly what it held at the last
+    ``take()``; optimizer state created since (the first step of Adam) is removed.
+
+    Raises:
+      TypeError: an object that is neither a `torch.nn.Module` nor a
+        `torch.optim.Optimizer`.
+    """
+
+    def __init__(self, objects: Mapping[str, Any]) -> None:
+        self._modules: list[torch.nn.Module] = []
+        self._optimizers: list[torch.optim.Optimizer] = []
+        for name, obj in objects.items():
+            if isinstance(obj, torch.nn.Module):
+                self._modules.append(obj)
+            elif isinstance(obj, torch.optim.Optimizer):
+                self._optimizers.append(obj)
+            else:
+                raise TypeError(
+                    f"live recovery keeps the state of modules and optimizers; {name!r} is "
+                    f"a {type(obj).__name__}. Pass the model(s) and optimizer(s) the step "
+                    "changes (state the step does not change needs no copy).")
+        # tensor -> its copy, by identity; buffers reused from step to step.
+        self._copies: module_state.IdentityMap[torch.Tensor, torch.Tensor] = \
+            module_state.IdentityMap()
+        self._grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._optimizer_state: list[dict[Any, dict[str, Any]]] = []
+        self._hyper: list[list[dict[str, Any]]] = []
+        self._rng: torch.Tensor | None = None
+        self._cuda_rng: torch.Tensor | None = None
+
+    def _keep(self, tensor: torch.Tensor) -> torch.Tensor:
+        saved = self._copies.get(tensor)
+        if saved is None or saved.shape != tensor.shape or saved.dtype != tensor.dtype:
+            saved = torch.empty_like(tensor, memory_format=torch.preserve_format)
+            self._copies[tensor] = saved
+        saved.copy_(tensor.detach())
+        return saved
+
+    def take(self) -> None:
+        """Copies the state as it is now (the start of a step)."""
+        with torch.no_grad():
+            self._grads = []
+            for module in self._modules:
+                for tensor in list(module.parameters()) + list(module.buffers()):
+                    self._keep(tensor)
+                for param in module.parameters():
+                    grad = param.grad
+                    # A gradient is a view into the reducer's bucket, rewritten by the
+                    # next backward: its values are copied, not the tensor kept.
+                    self._grads.append((param, None if grad is None
+                                        else grad.detach().clone()))
+            self._optimizer_state = []
+            self._hyper = []
+            for optimizer in self._optimizers:
+                state: dict[Any, dict[str, Any]] = {}
+                for owner, entries in optimizer.state.items():
+                    state[owner] = {key: (self._keep(value)
+                                          if isinstance(value, torch.Tensor)
+                                          else copy.deepcopy(value))
+                                    for key, value in entries.items()}
+                self._optimizer_state.append(state)
+                self._hyper.append([{key: copy.deepcopy(value)
+                                     for key, value in group.items() if key != "params"}
+                                    for group in optimizer.param_groups])
+        self._rng = torch.get_rng_state()
+        self._cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() and \
+            torch.cuda.is_initialized() else None
+
+    def restore(self) -> None:
+        """Puts back what `take` copied (see the class docstring)."""
+        with torch.no_grad():
+            for module in self._modules:
+                tensors: list[torch.Tensor] = [*module.parameters(), *module.buffers()]
+                for tensor in tensors:
+                    saved = self._copies.get(tensor)
+                    if saved is not None:
+                        tensor.copy_(saved)
+            for param, grad in self._grads:
+                param.grad = None if grad is None else grad.clone()
+            for optimizer, state, hyper in zip(self._optimizers, self._optimizer_state,
+                                               self._hyper):
+                for param in list(optimizer.state):
+                    if param not in state:
+                        del optimizer.state[param]
+                for param, entries in state.items():
+                    live = optimizer.state[param]
+                    for key in list(live):
+                        if key not in entries:
+                            del live[key]
+                    for key, value in entries.items():
+                        current = live.get(key)
+                        if isinstance(value, torch.Tensor):
+                            if isinstance(current, torch.Tensor) and \
+                                    current.shape == value.shape:
+                                current.copy_(value)
+                            else:
+                                live[key] = value.clone()
+                        else:
+                            live[key] = copy.deepcopy(value)
+                for group, saved_group in zip(optimizer.param_groups, hyper):
+                    group.update(copy.deepcopy(saved_group))
+        if self._rng is not None:
+            torch.set_rng_state(self._rng)
+        if self._cuda_rng is not None:
+            torch.cuda.set_rng_state(self._cuda_rng)
