@@ -57,6 +57,9 @@ parser.add_argument("--split", action="store_true",
                     help="also time our model's step called without strategy.run and the "
                     "hand-written step inside strategy.run (what run costs, what the "
                     "model built in scope costs)")
+parser.add_argument("--same-parameters", action="store_true",
+                    help="build ours with same_parameters_every_step=True (FSDP2's own "
+                    "reduction, without the mask of parameters each replica used)")
 parser.add_argument("--offload", action="store_true",
                     help="report where cpu_offload=False / True keep the training state")
 
@@ -158,6 +161,8 @@ def median_interval(values):
 
 
 def make_strategy(args, **options):
+    if args.same_parameters:
+        options.setdefault("same_parameters_every_step", True)
     return ts.ShardedStrategy(devices=None if ts.runtime.world_from_environment()
                               else [f"cpu:{i}" for i in range(args.replicas)], **options)
 

@@ -160,6 +160,21 @@ def queue_autograd_callback(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
+# -- FSDP2 (torch 2.13) -------------------------------------------------------------------
+def fsdp_reduces_gradients(module: torch.nn.Module) -> bool:
+    """Whether the backward now ending reduce-scatters `module`'s (an FSDP2 model's)
+    gradients: False under ``set_requires_gradient_sync(False)`` (``no_sync``), where FSDP2
+    accumulates them unreduced. FSDP2 has a setter but no getter; its first parameter group
+    holds the flag (``FSDPParamGroup.reduce_grads``; checked against torch 2.13.0). A model
+    whose units hold no parameters reduces nothing: False."""
+    for unit in module.modules():
+        get_state = getattr(unit, "_get_fsdp_state", None)
+        group = None if get_state is None else get_state()._fsdp_param_group
+        if group is not None:
+            return bool(group.reduce_grads)
+    return False
+
+
 # -- nn.Module (torch 2.4 - 2.13) ----------------------------------------------------
 def module_buffer(module: torch.nn.Module, name: str) -> torch.Tensor | None:
     """The buffer `name` registered directly on `module` (None if absent or None).

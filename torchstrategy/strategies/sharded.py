@@ -91,6 +91,14 @@ class ShardedStrategy(DataParallelStrategy):
         ``reset_parameters()``. The values are the same for any number of replicas
         (every replica draws from replica 0's random state). Models built with values
         keep them (broadcast from replica 0).
+      same_parameters_every_step: False (default): replicas may use different parameters
+        in a step (a branch chosen by each replica's own batch, a mixture of experts
+        inside one unit): every unit reduce-scatters every parameter, with zeros where a
+        replica used none, and a parameter no replica used keeps ``.grad`` None (one
+        all-reduce of 4 bytes per parameter before each optimizer step); the gradients
+        are one device's. True: your word that every replica uses the same parameters in
+        every step; FSDP2's own reduction, without that all-reduce. A replica that then
+        used other parameters gets wrong gradients. See docs/sharded.md.
       cluster_resolver / communication_options: as for MultiWorkerMirroredStrategy
         (``implementation`` and ``timeout_seconds`` are honoured; ``bytes_per_pack`` and
         ``compression`` are refused: FSDP2 communicates per unit).
@@ -107,6 +115,7 @@ class ShardedStrategy(DataParallelStrategy):
                  reshard_after_forward: bool | int | None = None, cpu_offload: Any = False,
                  shard_group_size: int | None = None, activation_checkpointing: bool = False,
                  init_fn: materialize.InitFn | None = None,
+                 same_parameters_every_step: bool = False,
                  cluster_resolver: ClusterResolver | None = None,
                  communication_options: CommunicationOptions | None = None) -> None:
         shard_modules = plan.check_shard_modules(shard_modules)
@@ -119,6 +128,9 @@ class ShardedStrategy(DataParallelStrategy):
                              "positive int (the replicas per machine) or None.")
         plan.offload_policy(cpu_offload, "cpu")  # raises for what is not an option
         materialize.check_init_fn(init_fn)
+        if not isinstance(same_parameters_every_step, bool):
+            raise TypeError(f"ShardedStrategy(same_parameters_every_step="
+                            f"{same_parameters_every_step!r}): give True or False.")
         if not isinstance(activation_checkpointing, bool):
             raise TypeError(f"ShardedStrategy(activation_checkpointing="
                             f"{activation_checkpointing!r}): give True or False.")
@@ -142,7 +154,8 @@ class ShardedStrategy(DataParallelStrategy):
                            "offload_policy": plan.offload_policy(cpu_offload, device_type)}
             return ShardedParameters(mesh, shard_modules, fsdp_kwargs,
                                      activation_checkpointing=activation_checkpointing,
-                                     init_fn=init_fn)
+                                     init_fn=init_fn,
+                                     same_parameters_every_step=same_parameters_every_step)
 
         super().__init__(
             sharded_parameters, devices=devices, cross_device_ops=as_cross_device_ops(None),

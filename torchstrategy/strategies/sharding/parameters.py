@@ -27,7 +27,8 @@ from torch.nn.modules import module as nn_module
 from torchstrategy import mirroring, module_state, ownership
 from torchstrategy.collectives.peers import Peers
 from torchstrategy.strategies.parameters import ParameterHandling
-from torchstrategy.strategies.sharding import dcp_io, materialize, plan, stale, state, training
+from torchstrategy.strategies.sharding import (dcp_io, materialize, plan, stale, state, training,
+                                               unused)
 from torchstrategy.variables import Variable
 
 
@@ -47,6 +48,10 @@ class ShardedParameters(ParameterHandling):
         but the model itself; `training.checkpoint_activations`).
       init_fn: initialises one module of a model built on meta (None: its
         ``reset_parameters()``; `sharding.materialize`).
+      same_parameters_every_step: the user's word that every replica uses the same
+        parameters in every step: FSDP2's own reduce-scatter, without `sharding.unused`'s
+        zero gradients and mask exchange (which make replicas that used different
+        parameters sum as one device would).
     """
 
     EXTENDED_MEMBERS = frozenset({"mesh", "fsdp_kwargs", "sharded_models", "save_checkpoint",
@@ -55,13 +60,15 @@ class ShardedParameters(ParameterHandling):
 
     def __init__(self, mesh: DeviceMesh, shard_modules: Sequence[Any] | None,
                  fsdp_kwargs: dict[str, Any], activation_checkpointing: bool = False,
-                 init_fn: materialize.InitFn | None = None) -> None:
+                 init_fn: materialize.InitFn | None = None,
+                 same_parameters_every_step: bool = False) -> None:
         super().__init__()
         self._mesh = mesh
         self._shard_modules = shard_modules
         self._fsdp_kwargs = fsdp_kwargs
         self._activation_checkpointing = activation_checkpointing
         self._init_fn = init_fn
+        self._same_parameters_every_step = same_parameters_every_step
         # Weak references to the modules that registered a parameter, and to the models
         # sharded so far (in order).
         self._owners: list[weakref.ref[torch.nn.Module]] = []
@@ -227,6 +234,11 @@ class ShardedParameters(ParameterHandling):
             # no-op.
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+        if not self._same_parameters_every_step:
+            # Replicas may use different parameters in a step (a branch chosen by the
+            # batch): every unit reduces every parameter, and one that no replica used
+            # keeps no gradient (`sharding.unused`).
+            unused.track(root, self.communicator)
         self._stale.add(root, before)
         # model.load_state_dict(full plain state_dict) keeps each replica's part.
         state.route_full_state_dicts(root)
