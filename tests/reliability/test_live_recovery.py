@@ -30,10 +30,11 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _start_job(context, out, replicas, kills, min_replicas, steps, global_batch=6):
+def _start_job(context, out, replicas, kills, min_replicas, steps, global_batch=6,
+               commit_every=1):
     os.makedirs(out, exist_ok=True)
     config = {"out": str(out), "steps": steps, "global_batch": global_batch,
-              "min_replicas": min_replicas, "kills": kills}
+              "min_replicas": min_replicas, "kills": kills, "commit_every": commit_every}
     port = _free_port()
     processes = []
     for rank in range(replicas):
@@ -90,8 +91,9 @@ def _one_device(steps, global_batch):
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    """Three jobs: 3 replicas losing two, one at a time (training goes on); 2 replicas losing
-    the chief (exit 42); 2 replicas with min_replicas=2 losing one (exit 42). The two small
+    """Three jobs: 3 replicas committing every 2 steps losing two, one at a time (training
+    goes on); 2 replicas losing the chief (exit 42); 2 replicas with min_replicas=2 losing
+    one (exit 42); the last two commit every step. The two small
     jobs run together (4 processes at most at any time). The replicas are forked by one
     fork server that imported torch and torchstrategy once."""
     context = multiprocessing.get_context("forkserver")
@@ -100,7 +102,7 @@ def jobs(tmp_path_factory):
     root = tmp_path_factory.mktemp("live_recovery")
     recovered = {"recovered": (root / "recovered", _start_job(
         context, root / "recovered", 3, [[2, 3, "backward"], [1, 6, "after_step"]],
-        min_replicas=1, steps=8))}
+        min_replicas=1, steps=8, commit_every=2))}
     outcome = _finish_jobs(recovered)
     impossible = {
         "chief_lost": (root / "chief_lost", _start_job(
@@ -116,17 +118,20 @@ def jobs(tmp_path_factory):
 
 def test_two_losses_mid_step_survivors_equal_one_device(jobs):
     codes, logs, results = jobs["recovered"]
-    # Replica 2 killed between forward and backward of step 3 (the others wait in the
-    # gradient all-reduce), replica 1 after its optimizer stepped at step 6 (replica 0's
-    # step ran to its end too: it must be undone, not applied twice).
+    # Commits every 2 steps. Replica 2 killed between forward and backward of step 3 (the
+    # others wait in the gradient all-reduce): steps 2 and 3 are redone by 2 replicas.
+    # Replica 1 killed after its optimizer step at step 6: replica 0's step 6 ran to its
+    # end too and returned; it fails in step 7, and steps 6 and 7 are undone and redone by
+    # replica 0 alone (step 6 applied once, not twice).
     assert codes == [0, -signal.SIGKILL, -signal.SIGKILL], logs[0][-3000:]
     result = results[0]
     assert result["steps"] == 8
-    assert result["replicas_per_step"] == [3, 3, 3, 2, 2, 2, 1, 1]
-    assert [(r[0], r[1], r[2]) for r in result["recoveries"]] == [(3, [2], 2), (6, [1], 1)]
+    assert result["replicas_per_step"] == [3, 3, 3, 2, 2, 2, 2, 1]
+    assert [(r[0], r[1], r[2]) for r in result["recoveries"]] == [(2, [2], 2), (6, [1], 1)]
     for recovery in result["recoveries"]:
         assert recovery[3] < 10, result["recoveries"]
-    assert "replica(s) [2] lost during step 3" in logs[0]
+    assert "replica(s) [2] lost (torchstrategy: the gradient all-reduce" in logs[0]
+    assert "2 replica(s) regrouped in" in logs[0] and "redo step(s) 2..3" in logs[0]
     expected = _one_device(8, 6)
     for got, want in zip(result["params"], expected):
         torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want,

@@ -2,7 +2,8 @@
 
 Started by the test as a launcher would (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT; rank 0 hosts the rendezvous store). Arguments: a JSON object
-with ``out`` (a directory), ``steps``, ``global_batch``, ``min_replicas``, and ``kills``:
+with ``out`` (a directory), ``steps``, ``global_batch``, ``min_replicas``,
+``commit_every`` (optional, default 1) and ``kills``:
 ``[[rank, step, where], ...]``, where ``where`` is ``"backward"`` (SIGKILL between the
 forward and the backward: the others wait in the gradient all-reduce) or ``"after_step"``
 (SIGKILL after the optimizer stepped, before the replica's vote). Each surviving replica
@@ -42,7 +43,8 @@ def main(config):
     recovery = LiveRecovery(strategy, {"model": model, "optimizer": optimizer},
                             global_batch_size=config["global_batch"],
                             min_replicas=config["min_replicas"],
-                            failure_detection_seconds=1.0, recovery_timeout_seconds=20.0)
+                            failure_detection_seconds=1.0, recovery_timeout_seconds=20.0,
+                            commit_every=config.get("commit_every", 1))
     kills = {(r, s): where for r, s, where in config["kills"]}
     x, y = data(config["steps"], config["global_batch"])
     g = config["global_batch"]
@@ -66,6 +68,7 @@ def main(config):
         s = recovery.step
         recovery.run(train_step, (x[s * g:(s + 1) * g], y[s * g:(s + 1) * g]))
         replicas_per_step.append(recovery.num_replicas)
+    recovery.commit()
     result = {"params": [p.detach().tolist() for p in model.parameters()],
               "steps": recovery.step, "replicas_per_step": replicas_per_step,
               "recoveries": [[r.step, list(r.lost), r.replicas, r.seconds]

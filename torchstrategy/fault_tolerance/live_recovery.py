@@ -68,8 +68,8 @@ _BROKEN_CONNECTION = ("connection reset", "connection closed", "connection refus
 
 @dataclasses.dataclass(frozen=True)
 class Recovery:
-    """One recovery: at `step` (the step redone), the replicas `lost` (their original
-    ranks) left, `replicas` remained, and training went on `seconds` after the failure
+    """One recovery: from `step` (the first step redone), the replicas `lost` (their
+    original ranks) left, `replicas` remained, and training went on `seconds` after the failure
     was noticed (the survivors' agreement and the new group; the redone step excluded)."""
 
     step: int
@@ -128,6 +128,11 @@ class LiveRecovery:
         while the others wait for it, is taken for lost (heartbeats every 0.2 s).
       recovery_timeout_seconds: bound on the survivors' agreement and on building their new
         group; beyond it the job ends with exit code 42.
+      commit_every: steps per commit. 1 (the default): the state is copied and the
+        replicas vote after every step, and a loss redoes the interrupted step only. k: the
+        copy and the vote every k steps (their cost divided by k); a loss redoes the steps
+        since the last commit (at most k), and `commit` must be called at the end of
+        training and before the state is read.
       exit_fn: called (on each survivor) when recovery is impossible; default
         ``sys.exit(42)``.
 
@@ -144,7 +149,7 @@ class LiveRecovery:
     def __init__(self, strategy: Strategy, objects: Mapping[str, Any], *,
                  global_batch_size: int, min_replicas: int = 1,
                  failure_detection_seconds: float = 2.0,
-                 recovery_timeout_seconds: float = 60.0,
+                 recovery_timeout_seconds: float = 60.0, commit_every: int = 1,
                  exit_fn: Callable[[], Any] | None = None) -> None:
         extended = strategy.extended
         if not isinstance(extended, DataParallelExtended):
@@ -181,6 +186,16 @@ class LiveRecovery:
         self._uid = extended.communicator.rank   # the original rank: a replica's name
         self._members = list(range(size))
         self._generation = 0
+        if isinstance(commit_every, bool) or not isinstance(commit_every, int) or \
+                commit_every < 1:
+            raise ValueError(f"commit_every must be a positive int, got {commit_every!r}.")
+        self._commit_every = commit_every
+        # The steps run since the last commit (function, global batch), redone after a
+        # loss; the committed steps before them; the commits so far (the vote's key).
+        self._window: list[tuple[Callable[..., Any], Any]] = []
+        self._committed = 0
+        self._commits = 0
+        #: The number of steps run (the index of the step running, inside a step).
         self.step = 0
         self.recoveries: list[Recovery] = []
         self._heartbeat: Heartbeat | None = None
@@ -218,9 +233,13 @@ class LiveRecovery:
 
     def run(self, fn: Callable[..., Any], global_batch: Any) -> Any:
         """Runs ``strategy.run(fn, args=(share,))``, `share` being this replica's share of
-        `global_batch` (the same global batch on every replica), and returns its result once
-        the step committed on every replica. A step interrupted by lost replicas is undone
-        and redone among the survivors on the same global batch before this returns.
+        `global_batch` (the same global batch on every replica), and returns its result.
+
+        With ``commit_every=1`` (the default) the step has committed on every replica when
+        this returns; with ``commit_every=k`` every k-th call commits the k steps since the
+        last commit (call `commit` at the end of training and before reading the state).
+        Steps interrupted by lost replicas are undone and redone among the survivors on the
+        same global batches before this returns.
 
         Raises:
           LiveRecoveryError: a replica's step raised an error of the program (re-raised
@@ -232,30 +251,60 @@ class LiveRecovery:
             result = self._strategy.run(fn, args=(global_batch,))
             self.step += 1
             return result
-        while True:
-            comm = self._extended.communicator
-            share = replica_slice(global_batch, comm.rank, comm.world_size,
-                                  self._global_batch_size)
+        if not self._window:
             self._snapshot.take()
+        self._window.append((fn, global_batch))
+        return self._complete(boundary=len(self._window) >= self._commit_every)
+
+    def commit(self) -> None:
+        """Commits the steps run since the last commit (with ``commit_every`` > 1), redoing
+        them among the survivors if replicas were lost meanwhile. Every replica calls it at
+        the same point: at the end of training, and before the state is read (saved,
+        evaluated). Nothing to do with ``commit_every=1``."""
+        if self._store is not None and self._window:
+            self._complete(boundary=True)
+
+    def _complete(self, boundary: bool) -> Any:
+        """Runs the last step of the window (all of it again after a recovery) and, at a
+        `boundary` or after a failure, the vote; returns the last step's result."""
+        replay = False
+        result: Any = None
+        while True:
             failure: BaseException | None = None
+            first = 0 if replay else len(self._window) - 1
+            for index in range(first, len(self._window)):
+                fn, global_batch = self._window[index]
+                self.step = self._committed + index
+                comm = self._extended.communicator
+                share = replica_slice(global_batch, comm.rank, comm.world_size,
+                                      self._global_batch_size)
+                try:
+                    result = self._strategy.run(fn, args=(share,))
+                except Exception as error:
+                    if not _lost_replica(error):
+                        self._report_error(error)
+                        raise
+                    failure = error
+                    break
+            if failure is None:
+                self.step = self._committed + len(self._window)
+                if not boundary:
+                    return result
             try:
-                result = self._strategy.run(fn, args=(share,))
-            except Exception as error:
-                if not _lost_replica(error):
-                    self._report_error(error)
-                    raise
-                failure = error
-            try:
-                committed = self._commit.decide(self.step, failure is None)
+                committed = self._commit.decide(self._commits, failure is None)
             except StoreLost as error:
                 self._give_up(f"the rendezvous store stopped answering ({error}): the chief, "
                               "whose machine hosts it, is lost")
             if committed:
-                self.step += 1
+                self._committed += len(self._window)
+                self._commits += 1
+                self._window = []
                 return result
             self._check_error_reported()
             self._snapshot.restore()
+            self.step = self._committed
             self._regroup(failure)
+            replay = True
 
     def _report_error(self, error: BaseException) -> None:
         """Tells the others that this replica's step failed by an error of the program: they
@@ -265,8 +314,8 @@ class LiveRecovery:
             self._store.compare_set(f"{self._prefix}error", "",
                                     f"replica {self._uid}: {type(error).__name__}: "
                                     f"{str(error)[:500]}")
-            self._store.compare_set(f"{self._prefix}gen{self._generation}/step{self.step}/"
-                                    "decision", "", ABORT)
+            self._store.compare_set(f"{self._prefix}gen{self._generation}/step"
+                                    f"{self._commits}/decision", "", ABORT)
         except Exception:  # the store is gone: the others find out by themselves
             pass
 
@@ -334,10 +383,11 @@ class LiveRecovery:
         self.recoveries.append(Recovery(self.step, lost, len(survivors), seconds))
         if world.rank == 0:
             cause = "" if failure is None else f" ({str(failure).splitlines()[0][:160]})"
+            last = self._committed + len(self._window) - 1
             logger.warning(
-                f"torchstrategy: live recovery: replica(s) {list(lost)} lost during step "
-                f"{self.step}{cause}; {len(survivors)} replica(s) regrouped in "
-                f"{seconds:.2f} s and redo the step on the same global batch.")
+                f"torchstrategy: live recovery: replica(s) {list(lost)} lost{cause}; "
+                f"{len(survivors)} replica(s) regrouped in {seconds:.2f} s and redo step(s) "
+                f"{self.step}..{last} on the same global batches.")
 
     def _survivors_world(self, prefix: str, survivors: list[int]) -> world_lib.World:
         """This replica's place among `survivors` (their machines read from what each

@@ -14,6 +14,7 @@ for a moment (torchft's quorum does the same through its coordinator).
 """
 from __future__ import annotations
 
+import datetime
 import json
 import threading
 import time
@@ -141,28 +142,23 @@ def wait_for_key(store: dist.Store, key: str, watch: LivenessWatch,
     `poll_seconds`, asks `watch` for dead replicas and calls `on_dead(them)` once some are
     found (which is expected to set `key`).
 
-    The key is polled (``check``), from every 50 µs at first to every 5 ms: the key is
-    usually written within a moment (the last replica's vote), and torch's ``wait`` with a
-    short timeout logs a warning at each expiry.
+    The wait is the store's own (the server answers when the key is written: no polling,
+    no sleep to be woken from on a loaded machine); torch logs a warning each time such a
+    wait expires, which happens only while a replica is missing.
 
     Raises:
       StoreLost: the store stopped answering.
     """
     told = False
-    pause = 5e-5
-    next_watch = time.monotonic() + poll_seconds
-    try:
-        while not store.check([key]):
-            time.sleep(pause)
-            pause = min(2 * pause, 5e-3)
-            if time.monotonic() >= next_watch:
-                next_watch = time.monotonic() + poll_seconds
-                dead = watch.dead()
-                if dead and not told:
-                    told = True
-                    on_dead(dead)
-        return store.get(key)
-    except StoreLost:
-        raise
-    except Exception as error:  # TCPStore's errors: the store's host is gone
-        raise StoreLost(str(error).splitlines()[0][:200]) from error
+    while True:
+        try:
+            store.wait([key], datetime.timedelta(seconds=poll_seconds))
+            return store.get(key)
+        except Exception as error:  # TCPStore's errors: an expired wait, or a lost store
+            text = str(error).lower()
+            if "timeout" not in text and "timed out" not in text:
+                raise StoreLost(str(error).splitlines()[0][:200]) from error
+        dead = watch.dead()
+        if dead and not told:
+            told = True
+            on_dead(dead)

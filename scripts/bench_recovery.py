@@ -1,0 +1,226 @@
+"""Live recovery (issue 34): its cost per step when nothing fails, and the seconds from a
+lost replica to the next completed step, side by side with a restart of the job.
+
+One run starts ``--replicas`` processes (gloo, CPU, loopback; each given a launcher's
+variables, rank 0 serving the rendezvous store) that train an MLP whose training state
+(parameters, gradients, SGD momentum) is about ``--state-mb`` MiB:
+
+1. **Per-step cost.** In the same processes, blocks of ``--block`` steps alternate between
+   ``strategy.run(step, args=(share,))``, ``recovery.run(step, global_batch)`` (a commit
+   every step) and the same with ``commit_every=--commit-every``, for ``--rounds`` rounds
+   (the order rotates each round); the median step time of each, its spread
+   (interquartile range) and the overhead in percent are printed. The overhead is the
+   in-memory copy of the state and the commit vote (a store ``add`` and ``wait``), once
+   per commit.
+2. **Recovery.** Replica ``replicas - 1`` then SIGKILLs itself between forward and backward;
+   the survivors recover and go on. Printed: the seconds from the kill (its time written to
+   a file just before) to the next committed step on replica 0, and the recovery's own
+   duration (``Recovery.seconds``: agreement and new group; ``--detection`` seconds of it
+   are the heartbeat's bound, used only when no collective broke).
+3. **Restart, for comparison.** The path of today (issue 34): ``replicas - 1`` fresh
+   processes start, import torch and torchstrategy, form their group, build the model,
+   load the state from a local file (saved by replica 0 at the end of phase 2) and run one
+   step. Printed: the seconds from their start to that step. This is a lower bound of a
+   torchrun restart, whose rendezvous adds its heartbeat and last-call waits (docs:
+   18-37 s in all for a tiny model).
+
+Run it alone on the machine (``nice -n 10`` when shared), e.g.
+``python scripts/bench_recovery.py --replicas 3 --state-mb 50``. Timings on a shared
+2-core machine are noisy: compare the numbers of one run, and give the load with them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _width(state_mb: float) -> int:
+    # Training state = parameters + gradients + momentum: 3 x 4 bytes per parameter, in two
+    # square layers.
+    return max(8, int((state_mb * 2 ** 20 / 12 / 2) ** 0.5))
+
+
+def _model(state_mb: float) -> torch.nn.Sequential:
+    width = _width(state_mb)
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(),
+                               torch.nn.Linear(width, width))
+
+
+def _worker(config: dict) -> None:
+    # Imported here: the parent process only starts the replicas and reads their results.
+    import torchstrategy as ts
+    from torchstrategy.fault_tolerance.live_recovery import LiveRecovery
+
+    rank = int(os.environ["RANK"])
+    strategy = ts.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = _model(config["state_mb"])
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    width = _width(config["state_mb"])
+    g = config["global_batch"]
+    if config["restart"]:
+        state = torch.load(config["state_file"], weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    recovery = LiveRecovery(strategy, {"model": model, "optimizer": optimizer},
+                            global_batch_size=g, min_replicas=1,
+                            failure_detection_seconds=config["detection"])
+    # A second one, committing every k steps, for the timing only (it must not see a loss).
+    every_k = LiveRecovery(strategy, {"model": model, "optimizer": optimizer},
+                           global_batch_size=g, min_replicas=1,
+                           commit_every=config["commit_every"]) \
+        if not config["restart"] else None
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randn(g, width, generator=generator) for _ in range(4)]
+    kill_at = None
+
+    def step(x: torch.Tensor) -> None:
+        if kill_at is not None and recovery.step == kill_at and rank == config["victim"]:
+            with open(config["kill_file"], "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    if config["restart"]:
+        recovery.run(step, batches[0])
+        if rank == 0:
+            with open(config["out"], "w") as f:
+                json.dump({"first_step_at": time.time()}, f)
+        return
+    times: dict[str, list[float]] = {"plain": [], "live": [], "every_k": []}
+    comm = strategy.extended.communicator
+    kinds = list(times)
+    assert every_k is not None
+    for round_index in range(config["rounds"]):
+        order = kinds[round_index % 3:] + kinds[:round_index % 3]
+        for kind in order:
+            for i in range(config["block"]):
+                x = batches[i % len(batches)]
+                comm.barrier()
+                start = time.perf_counter()
+                if kind == "plain":
+                    per = g // comm.world_size
+                    strategy.run(step, args=(x[comm.rank * per:(comm.rank + 1) * per],))
+                elif kind == "live":
+                    recovery.run(step, x)
+                else:
+                    every_k.run(step, x)
+                times[kind].append(time.perf_counter() - start)
+            every_k.commit()
+    kill_at = recovery.step + 2
+    done_at = None
+    while recovery.step < kill_at + 3:
+        recovery.run(step, batches[0])
+        if recovery.recoveries and done_at is None:
+            done_at = time.time()
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                   config["state_file"])
+        with open(config["out"], "w") as f:
+            json.dump({"times": times, "next_step_at": done_at,
+                       "recovery_seconds": recovery.recoveries[0].seconds}, f)
+
+
+def _start(replicas: int, config: dict) -> list[subprocess.Popen]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    processes = []
+    for rank in range(replicas):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(replicas), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(replicas), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env.setdefault("TORCHSTRATEGY_TIMEOUT_SECONDS", "120")
+        processes.append(subprocess.Popen([sys.executable, __file__, "--worker",
+                                           json.dumps(config)], env=env))
+    return processes
+
+
+def _wait(processes: list[subprocess.Popen], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    try:
+        for process in processes:
+            process.wait(max(0.1, deadline - time.monotonic()))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(values, n=4)
+    return q[0], statistics.median(values), q[2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--state-mb", type=float, default=20.0)
+    parser.add_argument("--global-batch", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--block", type=int, default=10)
+    parser.add_argument("--detection", type=float, default=2.0)
+    parser.add_argument("--commit-every", type=int, default=10)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        _worker(json.loads(args.worker))
+        return
+    directory = tempfile.mkdtemp(prefix="bench_recovery_")
+    config = {"state_mb": args.state_mb, "global_batch": args.global_batch,
+              "rounds": args.rounds, "block": args.block, "detection": args.detection,
+              "commit_every": args.commit_every,
+              "victim": args.replicas - 1, "restart": False,
+              "kill_file": os.path.join(directory, "killed_at"),
+              "state_file": os.path.join(directory, "state.pt"),
+              "out": os.path.join(directory, "live.json")}
+    _wait(_start(args.replicas, config), 600)
+    with open(config["out"]) as f:
+        live = json.load(f)
+    with open(config["kill_file"]) as f:
+        killed_at = float(f.read())
+    plain = _quartiles(live["times"]["plain"])
+    recovered = _quartiles(live["times"]["live"])
+    load = os.getloadavg()[0]
+    print(f"{args.replicas} replicas, MLP with {args.state_mb:g} MiB of training state, "
+          f"global batch {args.global_batch}, load average {load:.1f}")
+    print(f"step, strategy.run:  median {plain[1] * 1e3:.2f} ms (IQR {plain[0] * 1e3:.2f}-"
+          f"{plain[2] * 1e3:.2f})")
+    print(f"step, recovery.run: median {recovered[1] * 1e3:.2f} ms (IQR "
+          f"{recovered[0] * 1e3:.2f}-{recovered[2] * 1e3:.2f}); overhead "
+          f"{(recovered[1] / plain[1] - 1) * 100:+.1f} % (median over median)")
+    every_k = _quartiles(live["times"]["every_k"])
+    print(f"step, recovery.run with commit_every={args.commit_every}: median "
+          f"{every_k[1] * 1e3:.2f} ms (IQR {every_k[0] * 1e3:.2f}-{every_k[2] * 1e3:.2f}); "
+          f"overhead {(every_k[1] / plain[1] - 1) * 100:+.1f} %")
+    print(f"loss of replica {args.replicas - 1} -> next completed step: "
+          f"{live['next_step_at'] - killed_at:.2f} s (of which agreement + new group: "
+          f"{live['recovery_seconds']:.2f} s)")
+    restart_config = dict(config, restart=True, out=os.path.join(directory, "restart.json"))
+    started = time.time()
+    _wait(_start(args.replicas - 1, restart_config), 600)
+    with open(restart_config["out"]) as f:
+        restart = json.load(f)
+    print(f"restart of {args.replicas - 1} fresh processes (import, group, model, local "
+          f"state file, one step): {restart['first_step_at'] - started:.2f} s")
+
+
+if __name__ == "__main__":
+    main()
