@@ -1,6 +1,7 @@
 """Live recovery (issue 34): replicas SIGKILLed mid-step, the survivors regroup in the same
-processes and finish with the weights of one device; where recovery is impossible, every
-survivor ends with the reason and exit code 42.
+processes and finish with the weights of one device; a replica given SIGTERM leaves at the
+next commit; where recovery is impossible, every survivor ends with the reason and exit
+code 42.
 
 Each job is real processes on gloo over loopback, given a launcher's variables (RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT; rank 0 hosts the rendezvous store), running
@@ -91,8 +92,8 @@ def _one_device(steps, global_batch):
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    """Three jobs: 3 replicas committing every 2 steps losing two, one at a time (training
-    goes on); 2 replicas losing the chief (exit 42); 2 replicas with min_replicas=2 losing
+    """Three jobs: 4 replicas committing every 2 steps, one leaving on SIGTERM, then two lost,
+    one at a time (training goes on); 2 replicas losing the chief (exit 42); 2 replicas with min_replicas=2 losing
     one (exit 42); the last two commit every step. The two small
     jobs run together (4 processes at most at any time). The replicas are forked by one
     fork server that imported torch and torchstrategy once."""
@@ -101,8 +102,9 @@ def jobs(tmp_path_factory):
                                     "tests.scripts.live_recovery_train"])
     root = tmp_path_factory.mktemp("live_recovery")
     recovered = {"recovered": (root / "recovered", _start_job(
-        context, root / "recovered", 3, [[2, 3, "backward"], [1, 6, "after_step"]],
-        min_replicas=1, steps=8, commit_every=2))}
+        context, root / "recovered", 4,
+        [[3, 1, "sigterm"], [2, 3, "backward"], [1, 6, "after_step"]],
+        min_replicas=1, steps=8, global_batch=12, commit_every=2))}
     outcome = _finish_jobs(recovered)
     impossible = {
         "chief_lost": (root / "chief_lost", _start_job(
@@ -116,23 +118,28 @@ def jobs(tmp_path_factory):
     return outcome
 
 
-def test_two_losses_mid_step_survivors_equal_one_device(jobs):
+def test_departure_and_two_losses_mid_step_survivors_equal_one_device(jobs):
     codes, logs, results = jobs["recovered"]
-    # Commits every 2 steps. Replica 2 killed between forward and backward of step 3 (the
-    # others wait in the gradient all-reduce): steps 2 and 3 are redone by 2 replicas.
-    # Replica 1 killed after its optimizer step at step 6: replica 0's step 6 ran to its
-    # end too and returned; it fails in step 7, and steps 6 and 7 are undone and redone by
-    # replica 0 alone (step 6 applied once, not twice).
-    assert codes == [0, -signal.SIGKILL, -signal.SIGKILL], logs[0][-3000:]
+    # Commits every 2 steps, global batch 12. Replica 3 gets SIGTERM during step 1: it
+    # leaves at the commit after step 1 (exit 0, nothing redone). Replica 2 killed between
+    # forward and backward of step 3 (the others wait in the gradient all-reduce): steps 2
+    # and 3 are redone by 2 replicas. Replica 1 killed after its optimizer step at step 6:
+    # replica 0's step 6 ran to its end too and returned; it fails in step 7, and steps 6
+    # and 7 are undone and redone by replica 0 alone (step 6 applied once, not twice).
+    assert codes == [0, -signal.SIGKILL, -signal.SIGKILL, 0], logs[0][-3000:]
+    assert "replica 3 leaves the job after step 1 (termination notice)" in logs[3]
     result = results[0]
     assert result["steps"] == 8
-    assert result["replicas_per_step"] == [3, 3, 3, 2, 2, 2, 2, 1]
-    assert [(r[0], r[1], r[2]) for r in result["recoveries"]] == [(2, [2], 2), (6, [1], 1)]
+    assert result["replicas_per_step"] == [4, 3, 3, 2, 2, 2, 2, 1]
+    assert [(r[0], r[1], r[2], r[4]) for r in result["recoveries"]] == \
+        [(2, [3], 3, True), (2, [2], 2, False), (6, [1], 1, False)]
     for recovery in result["recoveries"]:
         assert recovery[3] < 10, result["recoveries"]
+    assert "replica(s) [3] left at a commit (termination notice); 3 replica(s) regrouped" \
+        in logs[0]
     assert "replica(s) [2] lost (torchstrategy: the gradient all-reduce" in logs[0]
     assert "2 replica(s) regrouped in" in logs[0] and "redo step(s) 2..3" in logs[0]
-    expected = _one_device(8, 6)
+    expected = _one_device(8, 12)
     for got, want in zip(result["params"], expected):
         torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want,
                                    rtol=0, atol=1e-6)

@@ -6,7 +6,8 @@ with ``out`` (a directory), ``steps``, ``global_batch``, ``min_replicas``,
 ``commit_every`` (optional, default 1) and ``kills``:
 ``[[rank, step, where], ...]``, where ``where`` is ``"backward"`` (SIGKILL between the
 forward and the backward: the others wait in the gradient all-reduce) or ``"after_step"``
-(SIGKILL after the optimizer stepped, before the replica's vote). Each surviving replica
+(SIGKILL after the optimizer stepped, before the replica's vote) or ``"sigterm"`` (a
+SIGTERM to itself during the step: it leaves the job at the next commit). Each surviving replica
 writes ``out/rank<R>.json``: its final fp64 parameters, the recoveries, the step count.
 """
 import json
@@ -44,7 +45,8 @@ def main(config):
                             global_batch_size=config["global_batch"],
                             min_replicas=config["min_replicas"],
                             failure_detection_seconds=1.0, recovery_timeout_seconds=20.0,
-                            commit_every=config.get("commit_every", 1))
+                            commit_every=config.get("commit_every", 1),
+                            leave_on_signals=(signal.SIGTERM,))
     kills = {(r, s): where for r, s, where in config["kills"]}
     x, y = data(config["steps"], config["global_batch"])
     g = config["global_batch"]
@@ -58,6 +60,8 @@ def main(config):
         if where == "backward":
             os.kill(os.getpid(), signal.SIGKILL)
         loss.backward()
+        if where == "sigterm":     # a termination notice: leave at the next commit
+            os.kill(os.getpid(), signal.SIGTERM)
         optimizer.step()
         optimizer.zero_grad()
         if where == "after_step":
@@ -71,7 +75,7 @@ def main(config):
     recovery.commit()
     result = {"params": [p.detach().tolist() for p in model.parameters()],
               "steps": recovery.step, "replicas_per_step": replicas_per_step,
-              "recoveries": [[r.step, list(r.lost), r.replicas, r.seconds]
+              "recoveries": [[r.step, list(r.lost), r.replicas, r.seconds, r.planned]
                              for r in recovery.recoveries]}
     with open(os.path.join(config["out"], f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

@@ -32,10 +32,12 @@ import dataclasses
 import datetime
 import json
 import logging
+import signal
 import socket
+import threading
 import time
 import uuid
-from typing import Any, Callable, Mapping, NoReturn
+from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 import torch.distributed as dist
 
@@ -45,7 +47,8 @@ from torchstrategy.fault_tolerance import termination
 from torchstrategy.fault_tolerance.batch_split import check_divisible, replica_slice
 from torchstrategy.fault_tolerance.membership import (Heartbeat, StoreLost,
                                                       agree_on_survivors)
-from torchstrategy.fault_tolerance.step_commit import ABORT, StepCommit
+from torchstrategy.fault_tolerance.step_commit import (ABORT, COMMIT, COMMIT_AND_LEAVE,
+                                                      StepCommit)
 from torchstrategy.fault_tolerance.step_snapshot import StepSnapshot
 from torchstrategy.launch import rendezvous
 from torchstrategy.launch import world as world_lib
@@ -76,6 +79,7 @@ class Recovery:
     lost: tuple[int, ...]
     replicas: int
     seconds: float
+    planned: bool = False   # the replicas left on a termination notice (none was lost)
 
 
 class LiveRecoveryError(RuntimeError):
@@ -133,6 +137,12 @@ class LiveRecovery:
         copy and the vote every k steps (their cost divided by k); a loss redoes the steps
         since the last commit (at most k), and `commit` must be called at the end of
         training and before the state is read.
+      leave_on_signals: signals (e.g. ``(signal.SIGTERM,)``: a spot notice, the preemption
+        of one node) on which this replica leaves the job at the next commit while the
+        others go on (a planned departure: nothing is redone); it then exits with 0. Where
+        the departures would leave fewer than `min_replicas`, every replica exits with 42
+        instead. Default: none (signals keep their handlers, e.g. a
+        `PreemptionCheckpointHandler`'s job-wide save).
       exit_fn: called (on each survivor) when recovery is impossible; default
         ``sys.exit(42)``.
 
@@ -150,6 +160,7 @@ class LiveRecovery:
                  global_batch_size: int, min_replicas: int = 1,
                  failure_detection_seconds: float = 2.0,
                  recovery_timeout_seconds: float = 60.0, commit_every: int = 1,
+                 leave_on_signals: Sequence[int] = (),
                  exit_fn: Callable[[], Any] | None = None) -> None:
         extended = strategy.extended
         if not isinstance(extended, DataParallelExtended):
@@ -190,6 +201,10 @@ class LiveRecovery:
                 commit_every < 1:
             raise ValueError(f"commit_every must be a positive int, got {commit_every!r}.")
         self._commit_every = commit_every
+        # The signal that asked this replica to leave, once one came.
+        self._notice: int | None = None
+        self._previous_handlers: dict[int, Any] = {}
+        self._ended = False
         # The steps run since the last commit (function, global batch), redone after a
         # loss; the committed steps before them; the commits so far (the vote's key).
         self._window: list[tuple[Callable[..., Any], Any]] = []
@@ -219,6 +234,12 @@ class LiveRecovery:
             rendezvous.connect(world.master_addr, world.master_port, size, timeout),
             self._prefix, self._uid)
         self._commit = self._new_commit()
+        if leave_on_signals:
+            if threading.current_thread() is not threading.main_thread():
+                raise ValueError("leave_on_signals needs the LiveRecovery to be made in the "
+                                 "main thread (where Python runs signal handlers).")
+            for signum in leave_on_signals:
+                self._previous_handlers[signum] = signal.signal(signum, self._on_notice)
         # The roll call that names missing replicas after a failed collective takes seconds;
         # here the survivors name the lost replicas themselves, once they agreed.
         extended.communicator.diagnose = None
@@ -267,6 +288,7 @@ class LiveRecovery:
     def _complete(self, boundary: bool) -> Any:
         """Runs the last step of the window (all of it again after a recovery) and, at a
         `boundary` or after a failure, the vote; returns the last step's result."""
+        assert self._store is not None
         replay = False
         result: Any = None
         while True:
@@ -290,15 +312,22 @@ class LiveRecovery:
                 self.step = self._committed + len(self._window)
                 if not boundary:
                     return result
+            notice = self._notice
+            leaving = failure is None and notice is not None
+            departures = f"{self._prefix}gen{self._generation}/commit{self._commits}/leaving/"
             try:
-                committed = self._commit.decide(self._commits, failure is None)
-            except StoreLost as error:
+                if leaving and notice is not None:
+                    self._store.set(f"{departures}{self._uid}", signal.Signals(notice).name)
+                outcome = self._commit.decide(self._commits, failure is None, leaving)
+            except (StoreLost, RuntimeError) as error:
                 self._give_up(f"the rendezvous store stopped answering ({error}): the chief, "
                               "whose machine hosts it, is lost")
-            if committed:
+            if outcome in (COMMIT, COMMIT_AND_LEAVE):
                 self._committed += len(self._window)
                 self._commits += 1
                 self._window = []
+                if outcome == COMMIT_AND_LEAVE:
+                    self._depart(departures, leaving)
                 return result
             self._check_error_reported()
             self._snapshot.restore()
@@ -337,9 +366,35 @@ class LiveRecovery:
         return StepCommit(self._store, f"{self._prefix}gen{self._generation}/",
                           self._members, self._prefix, self._dead_after)
 
-    def _regroup(self, failure: BaseException | None) -> None:
-        """After a step that did not commit: the survivors agree on who they are, build a new
-        group and continue as its replicas (see the module docstring)."""
+    def _on_notice(self, signum: int, frame: Any) -> None:
+        del frame
+        self._notice = signum
+
+    def _depart(self, departures: str, leaving: bool) -> None:
+        """After a commit some replicas leave (`leaving`: this one): it ends with exit code
+        0, the others regroup without it; where fewer than `min_replicas` would remain,
+        every replica ends with 42."""
+        assert self._store is not None
+        leavers = [m for m in self._members if self._store.check([f"{departures}{m}"])]
+        staying = [m for m in self._members if m not in leavers]
+        if len(staying) < self._min_replicas:
+            self._give_up(f"replica(s) {leavers} leave (a termination notice), which leaves "
+                          f"{len(staying)} replica(s), fewer than "
+                          f"min_replicas={self._min_replicas}")
+        if leaving:
+            logger.warning(f"torchstrategy: live recovery: replica {self._uid} leaves the "
+                           f"job after step {self._committed - 1} (termination notice); "
+                           f"{len(staying)} replica(s) go on without it.")
+            self._close()
+            runtime.current().abandon_process_group()
+            raise SystemExit(0)
+        self._regroup(None, staying)
+
+    def _regroup(self, failure: BaseException | None,
+                 expected: list[int] | None = None) -> None:
+        """After a step that did not commit (or, with `expected`, after replicas left at a
+        commit): the survivors agree on who they are, build a new group and continue as
+        its replicas (see the module docstring)."""
         assert self._store is not None
         noticed = time.monotonic()
         process = runtime.current()
@@ -350,8 +405,8 @@ class LiveRecovery:
         prefix = f"{self._prefix}gen{generation}/"
         info = json.dumps([self._world.node_rank, socket.gethostname()])
         try:
-            survivors = agree_on_survivors(self._store, prefix, self._uid, self._members,
-                                           self._dead_after,
+            survivors = agree_on_survivors(self._store, prefix, self._uid,
+                                           expected or self._members, self._dead_after,
                                            noticed + self._recovery_timeout, info)
         except StoreLost as error:
             self._give_up(f"the rendezvous store stopped answering ({error}): the chief, "
@@ -380,14 +435,17 @@ class LiveRecovery:
         self._generation = generation
         self._commit = self._new_commit()
         seconds = time.monotonic() - noticed
-        self.recoveries.append(Recovery(self.step, lost, len(survivors), seconds))
+        self.recoveries.append(Recovery(self.step, lost, len(survivors), seconds,
+                                        planned=expected is not None))
         if world.rank == 0:
             cause = "" if failure is None else f" ({str(failure).splitlines()[0][:160]})"
+            how = "left at a commit (termination notice)" if expected else f"lost{cause}"
             last = self._committed + len(self._window) - 1
+            redo = f"redo step(s) {self.step}..{last} on the same global batches" \
+                if self._window else f"go on from step {self._committed}"
             logger.warning(
-                f"torchstrategy: live recovery: replica(s) {list(lost)} lost{cause}; "
-                f"{len(survivors)} replica(s) regrouped in {seconds:.2f} s and redo step(s) "
-                f"{self.step}..{last} on the same global batches.")
+                f"torchstrategy: live recovery: replica(s) {list(lost)} {how}; "
+                f"{len(survivors)} replica(s) regrouped in {seconds:.2f} s and {redo}.")
 
     def _survivors_world(self, prefix: str, survivors: list[int]) -> world_lib.World:
         """This replica's place among `survivors` (their machines read from what each
@@ -410,8 +468,7 @@ class LiveRecovery:
         logger.error(f"torchstrategy: live recovery cannot continue on replica {self._uid}: "
                      f"{reason}. Exiting with code {termination.RESTART_EXIT_CODE} for the "
                      "scheduler to restart the job (BackupAndRestore resumes it).")
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
+        self._close()
         try:
             runtime.current().abandon_process_group()
         except Exception:  # a broken group: nothing more to release
@@ -419,12 +476,22 @@ class LiveRecovery:
         self._exit_fn()
         raise RuntimeError(f"torchstrategy: live recovery cannot continue: {reason}")
 
+    def _close(self) -> None:
+        """Stops the heartbeat and gives the signals their handlers back; this replica takes
+        no further part (nothing to wait for at exit)."""
+        self._ended = True
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)
+        self._previous_handlers = {}
+
     def _finish(self) -> None:
         """At exit: the replicas leave together, so that the chief (which hosts the store)
         does not end while another still reads its last step's decision."""
-        if self._store is None or self._heartbeat is None:
+        if self._store is None or self._heartbeat is None or self._ended:
             return
-        self._heartbeat.stop()
+        self._close()
         if self._heartbeat.lost.is_set():
             return
         key = f"{self._prefix}gen{self._generation}/finished"

@@ -24,7 +24,12 @@ import torch.distributed as dist
 from torchstrategy.fault_tolerance.membership import LivenessWatch, StoreLost, wait_for_key
 
 COMMIT = "commit"
+# Committed, and one replica or more leave the job after it (a planned departure).
+COMMIT_AND_LEAVE = "commit-leave"
 ABORT = "abort"
+# A leaving replica's vote adds this too, so that the vote completing the count knows
+# whether anyone leaves (no request more per step).
+_LEAVING = 1 << 32
 
 
 class StepCommit:
@@ -39,9 +44,11 @@ class StepCommit:
         self._size = len(uids)
         self._watch = LivenessWatch(store, heartbeat_prefix, uids, dead_after)
 
-    def decide(self, step: int, ran: bool) -> bool:
-        """Votes for `step` (`ran`: whether this replica's step ran to its end) and returns
-        whether the step commits (True on every replica, or False on every replica).
+    def decide(self, step: int, ran: bool, leaving: bool = False) -> str:
+        """Votes for `step` (`ran`: whether this replica's step ran to its end; `leaving`:
+        whether it leaves the job once the step committed) and returns the decision, the
+        same on every replica: `COMMIT`, `COMMIT_AND_LEAVE` (committed, and some replica
+        leaves) or `ABORT`.
 
         Raises:
           StoreLost: the store stopped answering (its host, the chief's machine, is gone).
@@ -49,14 +56,16 @@ class StepCommit:
         decision = f"{self._prefix}step{step}/decision"
         try:
             if not ran:
-                return self._store.compare_set(decision, "", ABORT) == COMMIT.encode()
-            votes = self._store.add(f"{self._prefix}step{step}/votes", 1)
-            if votes == self._size:
-                return self._store.compare_set(decision, "", COMMIT) == COMMIT.encode()
+                return self._store.compare_set(decision, "", ABORT).decode()
+            votes = int(self._store.add(f"{self._prefix}step{step}/votes",
+                                        1 + (_LEAVING if leaving else 0)))
+            if votes % _LEAVING == self._size:
+                outcome = COMMIT if votes < _LEAVING else COMMIT_AND_LEAVE
+                return self._store.compare_set(decision, "", outcome).decode()
         except Exception as error:  # TCPStore's errors: its host is gone
             raise StoreLost(str(error).splitlines()[0][:200]) from error
 
         def abort(dead: list[int]) -> None:
             self._store.compare_set(decision, "", ABORT)
 
-        return wait_for_key(self._store, decision, self._watch, abort) == COMMIT.encode()
+        return wait_for_key(self._store, decision, self._watch, abort).decode()
