@@ -49,6 +49,20 @@ def _run(*command, check=True, timeout=30):
     return result
 
 
+_RATE_UNITS = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
+
+
+def _burst_bytes(rate: str) -> int:
+    """tbf's bucket for `rate` ("2gbit", "500mbit"): 10 ms at that rate, at least 512 KiB.
+    A bucket smaller than what the rate sends between two timer ticks caps the link below
+    its rate (512 KiB holds only 2 ms at 2 Gbit/s, 0.4 ms at 10 Gbit/s)."""
+    for unit, scale in _RATE_UNITS.items():
+        if rate.lower().endswith(unit):
+            bits_per_second = float(rate[:-len(unit)]) * scale
+            return max(512 * 1024, int(bits_per_second / 8 / 100))
+    raise ValueError(f"a rate such as '2gbit' or '500mbit', got {rate!r}")
+
+
 def why_not_possible() -> str | None:
     """The reason this machine cannot run the cluster, or None when it can."""
     if os.geteuid() != 0:
@@ -150,7 +164,7 @@ class Cluster:
     def shape(self, node: Node, rate: str) -> None:
         """Limits what `node` sends to `rate` (tc tbf on its end of the veth)."""
         _run("tc", "-n", node.netns, "qdisc", "replace", "dev", node.ifname, "root", "tbf",
-             "rate", rate, "burst", "512kb", "latency", "50ms")
+             "rate", rate, "burst", f"{_burst_bytes(rate)}b", "latency", "50ms")
 
     def cut(self, node: Node) -> None:
         """Takes `node`'s link down (its switch port): its packets go nowhere."""

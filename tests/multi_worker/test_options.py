@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 import torchstrategy as ts
 from tests.helpers.replicas import launch
+from torchstrategy.collectives.hierarchical import PIECE_BYTES
 
 
 def _options_and_layouts():
@@ -34,6 +35,12 @@ def _options_and_layouts():
             flat = torch.arange(10, dtype=torch.float64) * (rank + 1) + rank
             ops.all_reduce(flat, None)
             sums[(tuple(layout), packs)] = (ops.num_machines, flat)
+    # A buffer of several pipelined pieces (and a remainder), through two machines' stages.
+    ops = ts.HierarchicalCopyAllReduce()
+    ops.create_groups([0, 0, 1, 1], timeout_seconds=45)
+    big = torch.arange(2 * PIECE_BYTES // 8 + 5, dtype=torch.float64) * (rank + 1) + rank
+    ops.all_reduce(big, None)
+    sums["pieces"] = big
     return facts, sums
 
 
@@ -46,6 +53,9 @@ def test_options_reach_the_backend_reducer_and_timeout_and_hierarchy_sums_exactl
     expected = sum(torch.arange(10, dtype=torch.float64) * (r + 1) + r for r in range(4))
     # One machine, or one replica per machine: a single level, i.e. a plain all-reduce.
     levels = {(0, 0, 1, 1): 2, (0, 0, 0, 1): 2, (0, 0, 0, 0): 1, (0, 1, 2, 3): 1}
+    big = sums.pop("pieces")
+    torch.testing.assert_close(big, sum(torch.arange(big.numel(), dtype=torch.float64) * (r + 1)
+                                        + r for r in range(4)), atol=0, rtol=0)
     for (layout, packs), (num_machines, got) in sums.items():
         assert num_machines == levels[layout]
         torch.testing.assert_close(got, expected, atol=0, rtol=0, msg=f"{layout} {packs}")

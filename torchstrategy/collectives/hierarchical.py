@@ -9,6 +9,9 @@ network instead of one per replica:
 2. the leaders all-reduce the machine sums among themselves;
 3. each leader broadcasts the total back to the replicas of its machine.
 
+The three stages are pipelined over pieces of the buffer (`PIECE_BYTES`), so that the
+network between machines and the links inside each machine are busy at the same time.
+
 The subgroups (one per machine, plus one of the leaders) are created once, collectively on
 every replica, when the multi-worker strategy is created (`create_groups`). Until then, and
 whenever the layout has a single machine (or one replica per machine), the op is a plain
@@ -27,18 +30,50 @@ from torchstrategy.collectives.cross_device_ops import (CrossDeviceOps, Pending,
                                                         wait_for)
 
 
-class _Stages:
-    """A handle that runs dependent collectives one after another when waited on: each
-    stage starts only once the previous one has landed."""
+# The staged path splits a buffer into pieces of at most this many bytes and pipelines them:
+# while one piece crosses between the machines, the next is still being summed inside its
+# machine and the previous one is being broadcast back. The sums do not depend on it (each
+# element is added in the same order whatever the piece it falls in).
+PIECE_BYTES = 4 << 20
 
-    def __init__(self, first: Pending, later: Sequence[Callable[[], Pending]]) -> None:
-        self._first = first
-        self._later = later
+
+class _Pipeline:
+    """The staged reduction of one buffer, pipelined over its pieces.
+
+    The per-machine reduces of every piece are started at once (when the buffer is
+    handed over, so they overlap what the caller does next); `wait` then starts each
+    piece's next stage as soon as its previous one has landed. Every replica starts its
+    machine group's broadcasts in piece order at `wait` and nowhere else, so the
+    collectives of each group are issued in the same order on all of its members (gloo
+    matches them by that order), whatever finishes first."""
+
+    def __init__(self, pieces: Sequence[torch.Tensor], layout: _Layout) -> None:
+        self._pieces = pieces
+        self._layout = layout
+        self._reduces = [dist.reduce(piece, dst=layout.leader, group=layout.local_group,
+                                     async_op=True) for piece in pieces]
+        self._done = False
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        wait_for(self._first, timeout)
-        for stage in self._later:
-            wait_for(stage(), timeout)
+        if self._done:
+            return True
+        layout = self._layout
+        landed: Sequence[Pending] = self._reduces
+        if layout.is_leader:
+            crosses = []
+            for piece, reduce in zip(self._pieces, self._reduces):
+                wait_for(reduce, timeout)
+                crosses.append(dist.all_reduce(piece, group=layout.cross_group,
+                                               async_op=True))
+            landed = crosses
+        broadcasts = []
+        for piece, previous in zip(self._pieces, landed):
+            wait_for(previous, timeout)
+            broadcasts.append(dist.broadcast(piece, src=layout.leader,
+                                             group=layout.local_group, async_op=True))
+        for broadcast in broadcasts:
+            wait_for(broadcast, timeout)
+        self._done = True
         return True
 
 
@@ -137,14 +172,8 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
 
     @staticmethod
     def _hierarchical(chunk: torch.Tensor, layout: _Layout) -> Pending:
-        first = dist.reduce(chunk, dst=layout.leader, group=layout.local_group, async_op=True)
-        later: list[Callable[[], Pending]] = []
-        if layout.is_leader:
-            later.append(lambda: dist.all_reduce(chunk, group=layout.cross_group,
-                                                 async_op=True))
-        later.append(lambda: dist.broadcast(chunk, src=layout.leader,
-                                            group=layout.local_group, async_op=True))
-        return _Stages(first, later)
+        piece = max(1, PIECE_BYTES // max(chunk.element_size(), 1))
+        return _Pipeline(torch.split(chunk.view(-1), piece), layout)
 
     def __repr__(self) -> str:
         return f"HierarchicalCopyAllReduce(num_packs={self.num_packs})"
