@@ -73,7 +73,8 @@ void bind_reducer(py::module_& m) {
            py::arg("compression"), py::arg("process_group"), py::arg("launch_bucket"),
            py::arg("finalize_callback"))
       .def("add_parameters", &Reducer::add_parameters)
-      .def("build", &Reducer::build)  // releases the GIL itself (see reducer.h)
+      .def("build", &Reducer::build, py::arg("order"), py::arg("whole") = false)
+      // build releases the GIL itself (see reducer.h)
       .def("set_sync", &Reducer::set_sync)
       .def("sync", &Reducer::sync)
       .def("start_recording", &Reducer::start_recording)
@@ -86,18 +87,19 @@ void bind_reducer(py::module_& m) {
       .def("bucket_order", &Reducer::bucket_order)
       .def("bucket_layout",
            [](const Reducer& self) {
-             // Per bucket: (dtype, parameter indices, slot offsets, slot sizes, first
-             // flag, elements of the flat buffer, wire dtype or "").
+             // Per bucket: (dtype, parameter indices, slot offsets, slot sizes, its first
+             // flag in flags(), elements of the flat buffer, wire dtype or "").
              std::vector<std::tuple<std::string, std::vector<int64_t>, std::vector<int64_t>,
                                     std::vector<int64_t>, int64_t, int64_t, std::string>>
                  out;
              for (torchstrategy::BucketInfo& b : self.bucket_layout()) {
                out.emplace_back(std::move(b.dtype), std::move(b.params),
-                                std::move(b.offsets), std::move(b.numels), b.flags_at,
+                                std::move(b.offsets), std::move(b.numels), b.first_flag,
                                 b.elements, std::move(b.wire));
              }
              return out;
            })
+      .def("flags", &Reducer::flags)
       .def("is_bucket_view", &Reducer::is_bucket_view)
       .def("launches_on_process_group", &Reducer::launches_on_process_group)
       .def("stats", &Reducer::stats);

@@ -3,14 +3,10 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <limits>
 #include <map>
 
 namespace torchstrategy {
-
-int64_t aligned_elements(int64_t elements, int64_t element_size) {
-  const int64_t step = std::max<int64_t>(1, kSlotAlignmentBytes / element_size);
-  return (elements + step - 1) / step * step;
-}
 
 std::vector<BucketSpec> compute_bucket_layout(const std::vector<int64_t>& order,
                                               const std::vector<int64_t>& numels,
@@ -28,7 +24,6 @@ std::vector<BucketSpec> compute_bucket_layout(const std::vector<int64_t>& order,
     TORCH_CHECK_VALUE(!placed[i], "torchstrategy: parameter ", i, " appears twice");
     placed[i] = 1;
     const int64_t size = element_sizes[i];
-    // A power of two, so that rounding to whole elements lands on 16-byte boundaries.
     TORCH_CHECK_VALUE(size > 0 && (size & (size - 1)) == 0, "torchstrategy: parameter ", i,
                       " has element size ", size, ", not a power of two");
     TORCH_CHECK_VALUE(numels[i] >= 0, "torchstrategy: parameter ", i, " has ", numels[i],
@@ -36,36 +31,53 @@ std::vector<BucketSpec> compute_bucket_layout(const std::vector<int64_t>& order,
   }
   const int64_t first_cap = std::min(first_cap_bytes, cap_bytes);
 
-  std::vector<BucketSpec> buckets;
-  std::map<std::string, size_t> open;  // key -> its bucket still taking parameters
+  struct Open {
+    BucketSpec spec;
+    int64_t bytes = 0;
+    int64_t cap = 0;
+    size_t opened = 0;  // opening order, for the buckets still open at the end
+  };
+  std::vector<BucketSpec> closed;
+  std::map<std::string, Open> open;       // key -> its bucket taking parameters
+  std::map<std::string, bool> had_first;  // key -> its first bucket was opened
+  size_t opened = 0;
   for (int64_t i : order) {
-    const int64_t size = element_sizes[i];
     auto found = open.find(keys[i]);
-    if (found != open.end()) {
-      const BucketSpec& b = buckets[found->second];
-      // The first bucket is there to start communicating early: it takes parameters until
-      // it has reached its cap, the one crossing it included (DDP's rule), so that a large
-      // first gradient (ResNet-50's 8 MB classifier) is sent at once instead of waiting
-      // for a full bucket of company. The others never pass their cap unless alone.
-      const bool full = found->second == 0
-                            ? b.elements * size >= first_cap
-                            : (aligned_elements(b.elements, size) + numels[i]) * size >
-                                  cap_bytes;
-      if (full) {
-        open.erase(found);
-        found = open.end();
-      }
-    }
     if (found == open.end()) {
-      buckets.emplace_back();
-      found = open.emplace(keys[i], buckets.size() - 1).first;
+      Open fresh;
+      // The first bucket is small so that communication starts early (DDP's 1 MiB).
+      fresh.cap = had_first[keys[i]] ? cap_bytes : first_cap;
+      had_first[keys[i]] = true;
+      fresh.opened = opened++;
+      found = open.emplace(keys[i], std::move(fresh)).first;
     }
-    BucketSpec& b = buckets[found->second];
-    const int64_t offset = aligned_elements(b.elements, size);
-    b.params.push_back(i);
-    b.offsets.push_back(offset);
-    b.elements = offset + numels[i];
+    Open& b = found->second;
+    b.spec.params.push_back(i);
+    b.spec.offsets.push_back(b.spec.elements);
+    b.spec.elements += numels[i];
+    b.bytes += numels[i] * element_sizes[i];
+    if (b.bytes >= b.cap) {
+      closed.push_back(std::move(b.spec));
+      open.erase(found);
+    }
   }
+  std::vector<Open*> rest;
+  for (auto& [key, b] : open) rest.push_back(&b);
+  std::sort(rest.begin(), rest.end(),
+            [](const Open* a, const Open* b) { return a->opened < b->opened; });
+  for (Open* b : rest) closed.push_back(std::move(b->spec));
+  return closed;
+}
+
+std::vector<BucketSpec> compute_whole_layout(const std::vector<int64_t>& order,
+                                             const std::vector<int64_t>& numels,
+                                             const std::vector<int64_t>& element_sizes,
+                                             const std::vector<std::string>& keys) {
+  constexpr int64_t unlimited = std::numeric_limits<int64_t>::max();
+  std::vector<BucketSpec> buckets =
+      compute_bucket_layout(order, numels, element_sizes, keys, unlimited, unlimited);
+  // DDP sorts its buckets by their first parameter and launches them in reverse.
+  std::reverse(buckets.begin(), buckets.end());
   return buckets;
 }
 

@@ -90,6 +90,7 @@ Reducer::~Reducer() {
   // The last reference may be a hook's, on an engine thread without the GIL.
   py::gil_scoped_acquire gil;
   for (Bucket& b : buckets_) b.py_work.reset();
+  flags_py_work_.reset();
   for (py::object* held : {&launch_bucket_, &finalize_callback_}) {
     *held = py::object();
   }
@@ -116,7 +117,7 @@ void Reducer::add_parameters(const std::vector<at::Tensor>& params) {
 }
 
 // Gradients that were views into the old buckets move into the new ones.
-void Reducer::build(const std::vector<int64_t>& order) {
+void Reducer::build(const std::vector<int64_t>& order, bool whole) {
   std::vector<Bucket> replaced;  // destroyed last, with the GIL back: may hold py_work
   py::gil_scoped_release no_gil;
   std::lock_guard<std::mutex> lock(mutex_);
@@ -138,10 +139,14 @@ void Reducer::build(const std::vector<int64_t>& order) {
   }
   std::vector<Bucket> buckets;
   std::vector<std::pair<int64_t, int64_t>> slots(params_.size());
+  int64_t flags = 0;
   for (BucketSpec& spec :
-       compute_bucket_layout(order, numels, element_sizes, keys, first_cap_, cap_)) {
+       whole ? compute_whole_layout(order, numels, element_sizes, keys)
+             : compute_bucket_layout(order, numels, element_sizes, keys, first_cap_, cap_)) {
     buckets.push_back(allocate(std::move(spec)));
-    const Bucket& b = buckets.back();
+    Bucket& b = buckets.back();
+    b.first_flag = flags;
+    flags += static_cast<int64_t>(b.params.size());
     for (size_t k = 0; k < b.params.size(); ++k) {
       slots[b.params[k]] = {static_cast<int64_t>(buckets.size() - 1), static_cast<int64_t>(k)};
     }
@@ -151,13 +156,15 @@ void Reducer::build(const std::vector<int64_t>& order) {
     buckets[bi].views[k].copy_(params_[i].grad());
     params_[i].mutable_grad() = buckets[bi].views[k];
   }
+  // The flags travel on the first bucket's device (a model's parameters share one).
+  flags_ = at::zeros({flags}, at::TensorOptions().dtype(at::kFloat).device(
+                                  buckets.empty() ? at::Device(at::kCPU) : buckets[0].device));
   replaced = std::exchange(buckets_, std::move(buckets));
   slots_ = std::move(slots);
   next_launch_ = 0;
 }
 
-// The flat buffer of one bucket: the slots `spec` laid out, then, from the next 16-byte
-// boundary, one "contributed" flag per parameter. Padding stays zero forever.
+// The flat buffer of one bucket: the slots `spec` laid out, and nothing else.
 Bucket Reducer::allocate(BucketSpec spec) const {
   Bucket b;
   const at::Tensor& first = params_[spec.params.front()];
@@ -167,8 +174,7 @@ Bucket Reducer::allocate(BucketSpec spec) const {
   b.offsets = std::move(spec.offsets);
   const auto options = at::TensorOptions().dtype(b.dtype).device(b.device);
   const int64_t size = at::elementSize(b.dtype);
-  b.flags_at = aligned_elements(spec.elements, size);
-  b.flat = at::zeros({b.flags_at + static_cast<int64_t>(b.params.size())}, options);
+  b.flat = at::zeros({spec.elements}, options);
   for (size_t k = 0; k < b.params.size(); ++k) {
     const at::Tensor& p = params_[b.params[k]];
     b.numels.push_back(p.numel());
@@ -220,6 +226,21 @@ bool Reducer::finalize() {
     }
     next_launch_ = buckets_.size();
     double waited = 0.0;
+    // The flags' sum, launched after the last bucket and waited for first: a bucket that
+    // some replica launched incomplete settles by it, and a Python stage whose reduction
+    // runs when its handle is waited for (error feedback) finds them summed.
+    const auto flags_start = std::chrono::steady_clock::now();
+    step_bytes_ += flags_.numel() * flags_.element_size();
+    if (process_group_) {
+      py::gil_scoped_release no_gil;
+      compat::wait(*compat::allreduce(*process_group_, flags_));
+    } else {
+      flags_py_work_ = launch_bucket_(-1, py::cast(flags_.alias()));
+      flags_py_work_->attr("wait")();
+      flags_py_work_.reset();
+    }
+    waited += std::chrono::duration<double>(std::chrono::steady_clock::now() - flags_start)
+                  .count();
     for (Bucket& b : buckets_) {
       const auto start = std::chrono::steady_clock::now();
       if (b.work) {
@@ -237,7 +258,7 @@ bool Reducer::finalize() {
       }
       // Launched before this backward asked to average: divided after the sum instead
       // (the same numbers as before it for a power-of-two world size).
-      if (average_ && !b.averaged) b.flat.narrow(0, 0, b.flags_at).div_(world_size_);
+      if (average_ && !b.averaged) b.flat.div_(world_size_);
       settle(b);
     }
     std::fill(local_.begin(), local_.end(), 0);
@@ -265,6 +286,7 @@ void Reducer::reset_step() {
   next_launch_ = 0;
   step_bytes_ = 0;
   step_buckets_ = 0;
+  flags_py_work_.reset();
   for (Bucket& b : buckets_) {
     std::fill(b.ready.begin(), b.ready.end(), 0);
     b.pending = static_cast<int64_t>(b.params.size());
@@ -290,7 +312,7 @@ std::vector<int64_t> Reducer::bucket_order() const {
 std::vector<BucketInfo> Reducer::bucket_layout() const {
   std::vector<BucketInfo> out;
   for (const Bucket& b : buckets_) {
-    out.push_back({c10::toString(b.dtype), b.params, b.offsets, b.numels, b.flags_at,
+    out.push_back({c10::toString(b.dtype), b.params, b.offsets, b.numels, b.first_flag,
                    b.flat.numel(),
                    b.wire.defined() ? c10::toString(b.wire.scalar_type()) : ""});
   }
@@ -412,7 +434,7 @@ void Reducer::launch(Bucket& b) {
     if (synced_part_[i].defined()) view.sub_(synced_part_[i]);
     if (b.averaged && !divided) view.div_(world_size_);
   }
-  at::Tensor flag_slots = b.flat.narrow(0, b.flags_at, static_cast<int64_t>(count));
+  at::Tensor flag_slots = flags_.narrow(0, b.first_flag, static_cast<int64_t>(count));
   if (b.complete) {
     flag_slots.fill_(1);
   } else {
@@ -448,7 +470,7 @@ void Reducer::settle(Bucket& b) {
     }
     return;
   }
-  at::Tensor flags = b.flat.narrow(0, b.flags_at, static_cast<int64_t>(count))
+  at::Tensor flags = flags_.narrow(0, b.first_flag, static_cast<int64_t>(count))
                          .to(at::kCPU, at::kDouble);
   const double* contributed = flags.const_data_ptr<double>();
   for (size_t k = 0; k < count; ++k) {

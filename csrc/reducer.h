@@ -53,7 +53,7 @@ struct Bucket {
   std::vector<int64_t> params;  // parameter indices, in slot order
   std::vector<int64_t> offsets;
   std::vector<int64_t> numels;
-  int64_t flags_at = 0;         // one "contributed" flag per parameter from here
+  int64_t first_flag = 0;       // where its "contributed" flags start in Reducer::flags_
   at::ScalarType dtype = at::kFloat;
   at::Device device = at::kCPU;
   at::Tensor flat;
@@ -71,10 +71,10 @@ struct Bucket {
 struct BucketInfo {
   std::string dtype;              // c10's name of the dtype ("Float")
   std::vector<int64_t> params;    // parameter indices, in slot order
-  std::vector<int64_t> offsets;   // each slot's first element, on a 16-byte boundary
+  std::vector<int64_t> offsets;   // each slot's first element (slots packed, as DDP's)
   std::vector<int64_t> numels;    // each slot's elements
-  int64_t flags_at = 0;           // the first "contributed" flag (one per parameter)
-  int64_t elements = 0;           // of the flat buffer, flags included
+  int64_t first_flag = 0;         // its first "contributed" flag in Reducer::flags()
+  int64_t elements = 0;           // of the flat buffer: the gradients and nothing else
   std::string wire;               // the wire dtype's name, or "" when the flat travels
 };
 
@@ -83,8 +83,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Buckets go through `process_group` from C++ when it is not None, else through
   // `launch_bucket(bucket index, buffer)`, the Python stage of the pipeline (another
   // algorithm's all-reduce, or error-feedback compression), which returns a handle with
-  // `wait()`. `finalize_callback` is called with the GIL once per backward and must call
-  // finalize().
+  // `wait()`; the step's "contributed" flags go the same way, as `launch_bucket(-1,
+  // flags)`, summed like a bucket. `finalize_callback` is called with the GIL once per
+  // backward and must call finalize().
   Reducer(int64_t cap_bytes, int64_t first_cap_bytes, int64_t world_size,
           std::string compression, pybind11::object process_group,
           pybind11::object launch_bucket, pybind11::object finalize_callback);
@@ -92,8 +93,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   // Registers parameters (hooks included); build() must follow.
   void add_parameters(const std::vector<at::Tensor>& params);
-  // Lays out the parameters, in `order`, into buckets (GIL held: it is released inside).
-  void build(const std::vector<int64_t>& order);
+  // Lays out the parameters, in `order`, into buckets (GIL held: it is released inside):
+  // with `whole`, one bucket per dtype and device (DDP's layout before its first backward,
+  // compute_whole_layout), else buckets cut at the caps (compute_bucket_layout).
+  void build(const std::vector<int64_t>& order, bool whole);
 
   void set_sync(bool sync) { sync_ = sync; }
   bool sync() const { return sync_; }
@@ -126,6 +129,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Per bucket, in launch order: what a Python stage needs to find each parameter's
   // gradient in the flat buffer, as build() laid it out (csrc/bucket_layout.h).
   std::vector<BucketInfo> bucket_layout() const;
+  // One "contributed" flag per parameter, bucket after bucket (BucketInfo::first_flag):
+  // 1 where this replica gave the parameter a gradient in the step; once summed, how many
+  // replicas did. float32, on the first bucket's device; kept outside the buckets, so that
+  // a bucket holds exactly DDP's values.
+  at::Tensor flags() const { return flags_; }
   // True when buckets are launched on the c10d process group from C++; false when they go
   // through the cross-device ops' Python all_reduce_async.
   bool launches_on_process_group() const { return static_cast<bool>(process_group_); }
@@ -157,6 +165,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<at::Tensor> params_;
   std::vector<compat::GradAccumulator> accumulators_;
   std::vector<Bucket> buckets_;
+  at::Tensor flags_;                   // see flags()
+  std::optional<pybind11::object> flags_py_work_;  // set and cleared with the GIL held
   std::vector<std::pair<int64_t, int64_t>> slots_;  // parameter -> (bucket, slot)
   std::vector<char> local_;            // accumulated under no_sync since the last sync
   std::vector<at::Tensor> stash_;      // .grad kept from before this backward

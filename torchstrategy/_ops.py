@@ -35,7 +35,8 @@ def make_reducer(cap_bytes: int, first_cap_bytes: int, world_size: int, wire_dty
     buckets of at most `cap_bytes` (the first `first_cap_bytes`) over `world_size`
     replicas, on the wire in `wire_dtype` ("bf16", "fp16" or "" for the buckets' own),
     launched on the c10d `process_group` or, when None, through ``launch_bucket(bucket
-    index, flat buffer)`` (which returns a handle with ``wait()``); `finalize_callback` is
+    index, flat buffer)`` (which returns a handle with ``wait()``; index -1 carries the
+    step's "contributed" flags, to be summed like a bucket); `finalize_callback` is
     queued on the autograd engine once per backward and must call ``finalize()``."""
     _require_extension()
     return _C.Reducer(cap_bytes, first_cap_bytes, world_size, wire_dtype, process_group,

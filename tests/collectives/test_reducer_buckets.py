@@ -14,12 +14,6 @@ import torchstrategy as ts
 from tests.helpers.replicas import from_every_replica, launch
 
 
-def aligned(elements, element_size):
-    """`elements` rounded up so that the next slot starts on a 16-byte boundary: the layout
-    rule of csrc/ (each parameter's slot in a bucket is 16-byte aligned)."""
-    step = max(1, 16 // element_size)
-    return -(-elements // step) * step
-
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 SHAPES = [(3, 5), (7,), (2, 2, 3), (4,), (1,), (6, 3)]
 # How late replica 1 starts its last synchronised backward: replica 0, its computation
@@ -168,17 +162,23 @@ def test_gradients_are_bucket_views_with_exact_sums_in_every_dtype():
         check(res["first"], [0], what="first step")
         assert res["unused_after_first"] is None
         assert all(res["views_after_first"])
-        # First reverse registration order, then rebuilt once in replica 0's arrival
-        # order, the parameter that got no gradient (registration index 8) last.
+        # First DDP's first-iteration layout (one bucket per dtype in registration order,
+        # the buckets in the reverse of the order their dtypes first appear), then rebuilt
+        # once in replica 0's arrival order, the parameter that got no gradient
+        # (registration index 8) last.
         dtypes = [p.dtype for p in list(model.ps) + [model.unused]]   # registration order
 
-        def bucketed(order):   # one bucket per dtype, opened in order of first appearance
-            groups = {}
+        def groups(order):     # one bucket per dtype, opened in order of first appearance
+            found = {}
             for i in order:
-                groups.setdefault(dtypes[i], []).append(i)
-            return [i for group in groups.values() for i in group]
+                found.setdefault(dtypes[i], []).append(i)
+            return list(found.values())
 
-        assert res["order_initial"] == bucketed(range(8, -1, -1))
+        def bucketed(order):
+            return [i for group in groups(order) for i in group]
+
+        assert res["order_initial"] == [i for group in reversed(groups(range(9)))
+                                        for i in group]
         arrived = per_replica[0]["arrived"]
         assert sorted(arrived) == list(range(8)) and arrived != list(range(7, -1, -1))
         assert res["order_after_first"] == bucketed(arrived + [8])
@@ -200,7 +200,8 @@ def test_gradients_are_bucket_views_with_exact_sums_in_every_dtype():
         check(res["no_sync"], [4, 5], what="no_sync then synchronised")
 
         # Statistics: one bucket per dtype here (4 dtypes + the fp32 unused parameter
-        # shares the fp32 bucket), exact bytes from the layout rule.
+        # shares the fp32 bucket), exact bytes: the slots packed (DDP's layout), and the
+        # 9 "contributed" flags in float32 beside the buckets.
         stats = res["stats_last"]
         assert stats.num_buckets == len(res["layout"]) == 4
         expected_bytes = 0
@@ -209,12 +210,9 @@ def test_gradients_are_bucket_views_with_exact_sums_in_every_dtype():
         for dtype, numels, flat_numel, wire in res["layout"]:
             assert wire == ""
             size = element_size[dtype]
-            end = 0
-            for numel in numels:
-                end = aligned(end, size) + numel
-            assert flat_numel == aligned(end, size) + len(numels)
+            assert flat_numel == sum(numels)
             expected_bytes += flat_numel * size
-        assert stats.bytes_reduced == expected_bytes
+        assert stats.bytes_reduced == expected_bytes + 9 * 4
         assert stats.num_parameters == 9
         assert stats.steps == 5 and res["stats_first"].steps == 1
         assert stats.compression is None
@@ -307,9 +305,10 @@ def test_compression_error_is_bounded_by_the_wire_precision():
             stats = res["stats"]
             assert stats.compression == compression
             assert stats.num_buckets == 2
-            # fp32 bucket: 4 slots of 512, 32, 128, 4 elements + 4 flags in 2 bytes each;
-            # fp16 bucket: 16 + 4 elements (slots aligned to 8) + 2 flags.
-            assert stats.bytes_reduced == (512 + 32 + 128 + 4 + 4) * 2 + (16 + 8 + 2) * 2
+            # fp32 bucket: 4 slots of 512, 32, 128, 4 elements in 2 bytes each; fp16 bucket:
+            # 16 + 4 elements (slots packed, as DDP's); the 6 "contributed" flags travel
+            # beside the buckets, in float32.
+            assert stats.bytes_reduced == (512 + 32 + 128 + 4) * 2 + (16 + 4) * 2 + 6 * 4
             assert torch.equal(res["half"], torch.full((4, 4), float(n), dtype=torch.float16))
             for key, got in res["grads"].items():
                 parts = [r["local"][key] for r in per_replica]
@@ -377,7 +376,8 @@ def test_buckets_go_through_a_python_cross_device_ops():
         assert torch.equal(g.double(), expected_grad(model, i, [1], n))
     assert len(layout) > 4                      # 52-byte buckets: several per dtype
     per_step = [flat for _, _, flat, _ in layout]
-    assert sizes[-len(per_step):] == per_step   # every bucket, in bucket order
+    # Every bucket, in bucket order, then the step's 9 "contributed" flags.
+    assert sizes[-len(per_step) - 1:] == per_step + [9]
     assert stats.num_buckets == len(layout)
 
 
@@ -400,7 +400,7 @@ def test_communication_options_compression_reaches_a_python_cross_device_ops():
     grad, stats, on_process_group = launch(_multi_worker_with_compression_options, n=2)
     exact = torch.tensor([1.0, 3.0, 0.1, 100.0, -2.5]) * 3
     assert stats.compression == "bf16" and not on_process_group
-    assert stats.bytes_reduced == (8 + 1) * 2        # 5 values + padding to 8, 1 flag
+    assert stats.bytes_reduced == 5 * 2 + 4          # 5 values in bf16, 1 flag in float32
     assert bool(((grad - exact).abs() <= 2 * 2 ** -8 * exact.abs()).all()), grad
     assert not torch.equal(grad, exact)              # 0.1 is not a bf16 number
     with pytest.raises(ValueError, match="disagrees with"):

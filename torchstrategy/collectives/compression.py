@@ -32,8 +32,8 @@ _WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 class GradBucket:
     """One bucket of the gradient reducer, handed to a stage of its pipeline when every
     gradient in it is ready: its flat buffer and where each parameter's gradient lives in
-    it, as the C++ core laid it out (csrc/bucket_layout.h: every slot starts on a 16-byte
-    boundary; one "contributed" flag per parameter follows the last slot).
+    it, as the C++ core laid it out (csrc/bucket_layout.h: DDP's layout, the slots packed
+    back to back; the buffer holds the gradients and nothing else).
 
     Attributes:
       index: the bucket's place in launch order (the same on every replica).
@@ -41,8 +41,11 @@ class GradBucket:
       parameters: the parameters whose gradients it holds, in slot order.
       indices: their registration indices in the reducer (stable across re-bucketing).
       offsets / numels: each slot's first element and its number of elements.
-      flags_at: the first flag: ``buffer[flags_at + k]`` is 1 where this replica
-        contributed a gradient to parameter k (after a SUM: how many replicas did).
+      flags: one "contributed" flag per parameter (float32, outside `buffer`): 1 where
+        this replica contributed a gradient to parameter k. The reducer sums them once per
+        step, after launching the last bucket and before waiting for any: a stage whose
+        reduction runs when waited for (error feedback) reads them summed, and a parameter
+        some replica contributed to has a flag > 0 (a stage may sum them again).
     """
 
     index: int
@@ -51,16 +54,17 @@ class GradBucket:
     indices: tuple[int, ...]
     offsets: tuple[int, ...]
     numels: tuple[int, ...]
-    flags_at: int
+    flags: torch.Tensor
 
     def gradient(self, k: int) -> torch.Tensor:
         """The slot of parameter `k` (slot order), flat: a view into `buffer`."""
         return self.buffer.narrow(0, self.offsets[k], self.numels[k])
 
     @property
-    def flags(self) -> torch.Tensor:
-        """The "contributed" flags, one per parameter: a view into `buffer`."""
-        return self.buffer.narrow(0, self.flags_at, len(self.indices))
+    def flags_at(self) -> int:
+        """The elements of `buffer` (its gradients): where the flags started when they
+        travelled inside it; stages size their own buffers by it."""
+        return self.buffer.numel()
 
 
 def _check_int(name: str, value: Any, minimum: int, what: str) -> int:

@@ -3,14 +3,16 @@ over replicas.
 
 How it works (the design DDP's reducer made standard):
 
-- Parameters are laid out in *buckets*, one dtype and device per bucket, each at most
-  ``bucket_cap_bytes`` (25 MiB) unless a single parameter is larger; the first bucket is
-  small so communication starts early (it takes gradients until it reaches its 1 MiB, the
-  one crossing it included, as DDP's first bucket: csrc/bucket_layout.h).
-  The first layout follows reverse registration order; after the first synchronised
-  backward the buckets are rebuilt once in the order gradients actually arrived (replica
-  0's order, broadcast, so every replica has the same buckets). Every parameter's slot
-  starts on a 16-byte boundary.
+- Parameters are laid out in *buckets* exactly as DistributedDataParallel lays out its
+  own (csrc/bucket_layout.h), so that the same gradients are summed into the same bits
+  (gloo's ring adds an element's contributions in an order set by the buffer's size and
+  the element's place in it). Until the first synchronised backward every parameter of a
+  dtype and device shares one bucket, in registration order. After it the buckets are
+  rebuilt once in the order gradients actually arrived (replica 0's order, broadcast, so
+  every replica has the same buckets): one dtype and device per bucket, the slots packed
+  back to back; a bucket takes gradients until it has reached its cap, the one crossing
+  it included: 1 MiB for the first (so communication starts early), ``bucket_cap_bytes``
+  (25 MiB) for the others.
 - Gradients live *inside* their bucket: after a step each ``.grad`` is a view into the
   bucket's flat buffer, so autograd accumulates the next step's gradient straight into the
   bucket and the all-reduce needs no copy (DDP's ``gradient_as_bucket_view``). A gradient
@@ -37,11 +39,13 @@ How it works (the design DDP's reducer made standard):
   algorithm's ``all_reduce_async`` (``ts.ReductionToOneDevice``, ``ts.HierarchicalCopyAllReduce``,
   ``NcclAllReduce(num_packs=k)``).
 
-Each bucket carries one extra element per parameter: 1 if this replica contributed a
-gradient for it. After the all-reduce that count tells whether *any* replica did; a
-parameter no replica used keeps its ``.grad`` untouched (None stays None), exactly as
-without a strategy, and a parameter used on only some replicas gets the sum of theirs.
-When every parameter of a bucket got its gradient (the usual case) nothing is traversed.
+Beside the buckets, one small tensor carries a flag per parameter: 1 if this replica
+contributed a gradient for it. It is all-reduced once per synchronised backward, after the
+last bucket (outside the buckets, which hold DDP's values and nothing else). Its sum tells
+whether *any* replica contributed; a parameter no replica used keeps its ``.grad``
+untouched (None stays None), exactly as without a strategy, and a parameter used on only
+some replicas gets the sum of theirs. When every parameter of a bucket got its gradient
+here (the usual case) the flags are not read back.
 
 Gradient accumulation. What a ``.grad`` holds before a synchronised backward was already
 summed by the previous one (or zeroed), so it is kept as it is and only this backward's
@@ -94,7 +98,8 @@ DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
 
 
 # A bucket as the C++ core lays it out: (dtype, parameter indices, slot offsets, slot
-# sizes, first flag, elements of the flat buffer, wire dtype or "").
+# sizes, its first flag in the core's flags(), elements of the flat buffer, wire dtype or
+# "").
 _CoreBucket = tuple[str, list[int], list[int], list[int], int, int, str]
 
 
@@ -145,6 +150,11 @@ class GradientReducer:
         else:
             self._stage = lambda bucket: cross_device_ops.all_reduce_async(
                 bucket.buffer, communicator.group)
+        # The step's "contributed" flags, when the core does not sum them itself: summed
+        # by the strategy's algorithm, before any error-feedback stage runs (which reads
+        # them through GradBucket.flags).
+        self._sum_flags: Callable[[torch.Tensor], Pending] = \
+            lambda flags: cross_device_ops.all_reduce_async(flags, communicator.group)
         self._layout: list[_CoreBucket] = []     # the core's buckets, in launch order
         wire = self._compression if isinstance(self._compression, str) else ""
         this = weakref.ref(self)   # the C++ reducer must not keep this object alive
@@ -176,6 +186,9 @@ class GradientReducer:
         self._make_core: Callable[[int, int], Any] | None = \
             lambda cap, first: make(process_group, cap, first)
         self._first_cap = int(first_bucket_bytes)
+        # True from a registration until the synchronised backward that shows the order
+        # gradients arrive in (the buckets are then rebuilt in that order).
+        self._awaiting_arrival = False
         self._earlier_steps = 0   # synchronised steps of cores `rebucket` replaced
         self._after_sync: list[Callable[[], None]] = []
 
@@ -194,9 +207,10 @@ class GradientReducer:
 
     # -- set-up -------------------------------------------------------------------------
     def add_parameters(self, params: Iterable[torch.Tensor]) -> None:
-        """Registers parameters (those requiring grad; duplicates ignored) and re-buckets in
-        reverse registration order. The next synchronised backward records the order
-        gradients arrive in, and the buckets are rebuilt once in that order after it."""
+        """Registers parameters (those requiring grad; duplicates ignored) and re-buckets
+        as DDP's first iteration does: one bucket per dtype and device, in registration
+        order. The next synchronised backward records the order gradients arrive in, and
+        the buckets are rebuilt once in that order after it, cut at the caps."""
         new = []
         for p in params:
             if p in self._index or not p.requires_grad:
@@ -206,13 +220,15 @@ class GradientReducer:
             new.append(p)
         if new:
             self._core.add_parameters(new)
-            self._build(list(reversed(range(len(self._params)))))
+            self._build(list(range(len(self._params))), whole=True)
             self._core.start_recording()
+            self._awaiting_arrival = True
 
-    def _build(self, order: list[int]) -> None:
-        """Lays the parameters out into buckets in `order` (the core does) and keeps the
-        layout the core returns, which the stages' `GradBucket` are made from."""
-        self._core.build(order)
+    def _build(self, order: list[int], whole: bool = False) -> None:
+        """Lays the parameters out into buckets in `order` (the core does; `whole`: one
+        bucket per dtype and device) and keeps the layout the core returns, which the
+        stages' `GradBucket` are made from."""
+        self._core.build(order, whole)
         self._layout = [tuple(bucket) for bucket in self._core.bucket_layout()]
 
     def _rebuild_from_arrival(self, arrival: Iterable[int]) -> None:
@@ -228,6 +244,7 @@ class GradientReducer:
         order += [i for i in reversed(range(len(self._params))) if i not in seen]
         (agreed,) = self._comm.broadcast_([torch.tensor(order, dtype=torch.int64)], src=0)
         self._build(agreed.tolist())
+        self._awaiting_arrival = False
 
     def rebucket(self, bucket_cap_bytes: int, first_bucket_bytes: int | None = None) -> None:
         """Re-buckets the registered parameters with new caps, keeping the bucket (launch)
@@ -252,6 +269,8 @@ class GradientReducer:
         self._core, self._cap, self._first_cap = core, int(bucket_cap_bytes), first
         if self._params:
             self._build(old.bucket_order())
+            if self._awaiting_arrival:   # the rebuild in arrival order is still to come
+                core.start_recording()
 
     def on_synced_step(self, callback: Callable[[], None]) -> None:
         """Calls `callback()` at the end of every synchronised backward, after the
@@ -299,7 +318,9 @@ class GradientReducer:
         return [self._params[i] for i in self._core.bucket_order()]
 
     def bucket_layout(self) -> list[tuple[str, list[int], int, str]]:
-        """Per bucket: (dtype name, slot sizes, elements of its buffer, wire dtype or "")."""
+        """Per bucket: (dtype name, slot sizes, elements of its buffer, wire dtype or "").
+        The slots are packed back to back: the buffer holds the gradients and nothing
+        else, as DDP's bucket."""
         return [(dtype, list(numels), elements, wire)
                 for dtype, _, _, numels, _, elements, wire in self._layout]
 
@@ -330,26 +351,36 @@ class GradientReducer:
     def _launch_bucket(self, index: int, buffer: torch.Tensor) -> Pending:
         """The core's call for full bucket `index` (launch order) whose flat `buffer` it
         does not reduce itself: held until the backend lets go of it, then handed to the
-        stage with its layout."""
+        stage with its layout. Index -1 is the step's "contributed" flags, summed before
+        any stage's handle is waited for."""
         self._comm.hold(buffer)
-        _, indices, offsets, numels, flags_at, _, _ = self._layout[index]
+        if index == -1:
+            return self._sum_flags(buffer)
+        _, indices, offsets, numels, first_flag, _, _ = self._layout[index]
         return self._stage(GradBucket(
             index=index, buffer=buffer, parameters=tuple(self._params[i] for i in indices),
             indices=tuple(indices), offsets=tuple(offsets), numels=tuple(numels),
-            flags_at=flags_at))
+            flags=self._core.flags().narrow(0, first_flag, len(indices))))
 
     # -- error-feedback state -----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The error-feedback compression state of every replica (residuals differ between
         replicas): ``{"error_feedback": [replica 0's, replica 1's, ...]}``, each with the
         step counter, the residuals and PowerSGD's Q matrices keyed by parameter
-        registration index; ``{}`` without error-feedback compression. A collective under
-        compression (every replica calls it at the same point), so that a checkpoint
-        written by the chief alone (``ts.BackupAndRestore(...).track(reducer=...)``) holds
-        them all."""
+        registration index; ``{}`` without error-feedback compression. Once the buckets were
+        rebuilt in arrival order, also ``"bucket_order"`` (registration indices in launch
+        order): compression works on whole buckets (Int8's chunks run across slots), so a
+        run resumed from the state must compress with the same buckets to equal the run
+        that was not interrupted. A collective under compression (every replica calls it at
+        the same point), so that a checkpoint written by the chief alone
+        (``ts.BackupAndRestore(...).track(reducer=...)``) holds them all."""
         if self._error_feedback is None:
             return {}
-        return {"error_feedback": self._comm.gather_objects(self._error_feedback.state_dict())}
+        state: dict[str, Any] = {
+            "error_feedback": self._comm.gather_objects(self._error_feedback.state_dict())}
+        if not self._awaiting_arrival:
+            state["bucket_order"] = list(self._core.bucket_order())
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores this replica's part of what `state_dict` returned.
@@ -375,6 +406,7 @@ class GradientReducer:
                 f"'error_feedback' list of replicas' states): {type(state).__name__}. Load "
                 "what reducer.state_dict() returned, or do not load the reducer's state "
                 "(compression then restarts from zero residuals).")
+        self._restore_bucket_order(state.get("bucket_order"))
         if len(replicas) == self._comm.world_size:
             self._error_feedback.load_state_dict(replicas[self._comm.rank])
             return
@@ -388,6 +420,15 @@ class GradientReducer:
                 f"replicas and is loaded into {self._comm.world_size}: the sum of their "
                 "residuals is shared out evenly (nothing owed is dropped); PowerSGD's Q and "
                 "the step counter carry over.")
+
+    def _restore_bucket_order(self, order: Any) -> None:
+        """Lays the buckets out in the saved launch `order` (the saving run's rebuilt
+        buckets) instead of rebuilding them after the next backward; a state saved
+        without one, or for other parameters, leaves the buckets as they are."""
+        if not isinstance(order, list) or sorted(order) != list(range(len(self._params))):
+            return
+        self._build([int(i) for i in order])
+        self._awaiting_arrival = False
 
     # -- averaging ----------------------------------------------------------------------
     def average_this_backward(self) -> bool:
@@ -427,7 +468,7 @@ class GradientReducer:
             if self._error_feedback is not None:
                 self._error_feedback.end_step(synced)
         arrival = self._core.take_arrival()
-        if arrival is not None:
+        if arrival is not None and self._awaiting_arrival:
             self._rebuild_from_arrival(arrival)
         if synced:
             for callback in list(self._after_sync):

@@ -7,9 +7,9 @@ class ReductionStats(typing.NamedTuple):
 
     Attributes:
       bytes_reduced: bytes handed to all-reduce: every bucket's buffer in the dtype it
-        travelled in (bf16/fp16 under compression), its 16-byte alignment padding and its
-        one "contributed" flag per parameter included. Each replica sends and receives
-        about twice this over a ring.
+        travelled in (bf16/fp16 under compression), and the step's "contributed" flags
+        (one float32 per parameter, all-reduced beside the buckets). Each replica sends
+        and receives about twice this over a ring.
       num_buckets: all-reduce collectives launched (one per bucket).
       num_parameters: parameters the reducer synchronises.
       exposed_communication_seconds: time spent after backward's computation waiting for
