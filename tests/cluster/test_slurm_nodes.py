@@ -11,7 +11,10 @@ slurmctld on node0, one slurmd per node, ``NodeName=nodeI NodeAddr=<its address>
   machine preempted (SIGTERM to its two tasks only, as a cloud reclaiming one VM signals
   that machine alone): every replica of both machines saves after the same step, exits 42,
   ``RequeueExit=42`` requeues the job, and the restarted job resumes and ends with the
-  parameters of the uninterrupted run, every sample seen once per epoch.
+  parameters of the uninterrupted run, every sample seen once per epoch;
+- ``scontrol requeue`` of such a job training under ts.BackupAndRestore: every task of
+  both nodes killed, the job started again resumes from the last backup and ends with one
+  device's parameters.
 
 The nodes share this machine's file system, as a cluster's machines share their storage:
 the job's checkpoint directory and output are the same files on both nodes. One SLURM
@@ -110,27 +113,37 @@ def test_srun_on_two_nodes_trains_like_one_device(slurm, reference, tmp_path):
     _check(tmp_path, reference())
 
 
-def test_sbatch_requeue_one_node_preempted_resumes_exactly(slurm, reference, tmp_path):
-    script = os.path.join(tmp_path, "job.sh")
+def _submit_two_node_job(slurm, out, *options):
+    """An ``sbatch --requeue`` job of 2 nodes x 2 tasks running the training script with
+    `options`; returns its id."""
+    script = os.path.join(out, "job.sh")
     with open(script, "w") as f:
         f.write(f"""#!/bin/bash
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=2
 #SBATCH --requeue
 #SBATCH --open-mode=append
-srun {sys.executable} {SCRIPT} {tmp_path} --slow {SLOW} --global-batch={GLOBAL_BATCH}
+srun {sys.executable} {SCRIPT} {out} --slow {SLOW} --global-batch={GLOBAL_BATCH} \
+    {' '.join(options)}
 """)
-    submitted = _on_login_node(slurm, ["sbatch", "--parsable",
-                                       f"--output={tmp_path}/job.out", script], timeout=30)
+    submitted = _on_login_node(slurm, ["sbatch", "--parsable", f"--output={out}/job.out",
+                                       script], timeout=30)
     assert submitted.returncode == 0, submitted.stderr
-    job = submitted.stdout.strip().split(";")[0]
+    return submitted.stdout.strip().split(";")[0]
 
-    def one_step_done(fields):
+
+def _wait_for_steps(slurm, job, out, steps):
+    def done(fields):
         assert fields.get("JobState") in ("PENDING", "RUNNING", "CONFIGURING"), fields
-        path = os.path.join(tmp_path, "rank0.log")
-        return os.path.exists(path) and len(_read_log(tmp_path, 0)) >= 1
+        path = os.path.join(out, "rank0.log")
+        return os.path.exists(path) and len(_read_log(out, 0)) >= steps
 
-    slurm.wait_job(job, one_step_done, JOB_TIMEOUT, "a step logged")
+    slurm.wait_job(job, done, JOB_TIMEOUT, f"{steps} step(s) logged")
+
+
+def test_sbatch_requeue_one_node_preempted_resumes_exactly(slurm, reference, tmp_path):
+    job = _submit_two_node_job(slurm, tmp_path)
+    _wait_for_steps(slurm, job, tmp_path, 1)
     # node1 is preempted: its two tasks alone get SIGTERM.
     assert _hosts(tmp_path, 0)[2:] == ["node1", "node1"]
     for rank in (2, 3):
@@ -147,3 +160,31 @@ srun {sys.executable} {SCRIPT} {tmp_path} --slow {SLOW} --global-batch={GLOBAL_B
         attempts = [attempt for attempt, _, _ in logs[rank]]
         assert attempts[0] == 0 and attempts[-1] == 1, (rank, attempts)
     assert _hosts(tmp_path, 1) == ["node0", "node0", "node1", "node1"]
+
+
+def test_scontrol_requeue_of_two_nodes_resumes_from_backup_and_restore(slurm, reference,
+                                                                       tmp_path):
+    """``scontrol requeue`` of the running job (an administrator's requeue; a node lost is
+    alike): SLURM kills every task of both nodes, no handler runs, the job starts again and
+    ts.BackupAndRestore resumes from the last backup the chief wrote to the shared
+    directory (every 2 steps), ending with one device's parameters."""
+    job = _submit_two_node_job(slurm, tmp_path, "--backup-every=2")
+    _wait_for_steps(slurm, job, tmp_path, 3)      # a backup after step 2 exists
+    slurm.run(["scontrol", "requeue", job])
+    fields = _wait_requeued_and_done(slurm, job)
+    output = _job_output(tmp_path)
+    assert fields["JobState"] == "COMPLETED", (fields, output[-3000:])
+    assert fields["Restarts"] == "1", fields
+    for rank in range(4):
+        log = _read_log(tmp_path, rank)
+        first = [step for attempt, step, _ in log if attempt == 0]
+        again = [step for attempt, step, _ in log if attempt == 1]
+        # Killed after step 3 or later; resumed after the last backup (an even step, 2 at
+        # least: not a fresh start), each step from there on run once.
+        assert len(first) >= 3 and first == list(range(1, len(first) + 1)), (rank, log)
+        assert again and again[0] >= 3 and again[0] % 2 == 1, (rank, log)
+        assert again[0] <= first[-1] + 1, (rank, log)
+        assert again == list(range(again[0], 2 * STEPS_PER_EPOCH + 1)), (rank, log)
+    final = torch.load(os.path.join(tmp_path, "final.pt"))
+    for name, value in reference().items():
+        torch.testing.assert_close(final[name], value, rtol=0, atol=1e-6)

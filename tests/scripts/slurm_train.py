@@ -5,6 +5,8 @@
     python slurm_train.py OUT_DIR                                   (one process: the reference)
 
 ``--global-batch N`` (default 6) sets the global batch (a multiple of the replicas).
+``--backup-every N`` trains under ts.BackupAndRestore (a backup every N steps, in
+OUT_DIR/backup) instead of the handler.
 
 The strategy finds the cluster by itself (no resolver is named): a step of several tasks
 gives SlurmClusterResolver, torchrun's variables TorchElasticClusterResolver. Every replica
@@ -43,6 +45,7 @@ def main(argv=None):
     parser.add_argument("out")
     parser.add_argument("--slow", type=float, default=0.0)
     parser.add_argument("--global-batch", type=int, default=GLOBAL_BATCH)
+    parser.add_argument("--backup-every", type=int, default=0)
     args = parser.parse_args(argv)
     attempt = (int(os.environ.get("SLURM_RESTART_COUNT", "0"))
                + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
@@ -76,6 +79,21 @@ def main(argv=None):
         strategy.run(replica_step, args=batch[:2])
         time.sleep(slow)
 
+    def record(log, steps_done, batch):
+        indices = strategy.experimental_local_results(batch[2])[0].tolist()
+        log.write(f"{attempt} {steps_done} {' '.join(map(str, indices))}\n")
+
+    if args.backup_every:
+        backup = ts.BackupAndRestore(os.path.join(args.out, "backup"),
+                                     save_freq=args.backup_every)
+        backup.track(model=model, optimizer=optimizer)
+        with open(os.path.join(args.out, f"rank{rank}.log"), "a", buffering=1) as log:
+            for _ in backup.epochs(EPOCHS):
+                for _, batch in backup.steps(dist_data):
+                    train_step(batch)
+                    record(log, backup.global_step + 1, batch)
+        save_final(rank, model, args.out)
+        return
     handler = ts.PreemptionCheckpointHandler(
         resolver, {"model": model, "optimizer": optimizer, "data": dist_data},
         os.path.join(args.out, "ckpt"))
@@ -86,12 +104,14 @@ def main(argv=None):
             dist_data.set_epoch(epoch, handler.total_run_calls % steps)
             for batch in dist_data:
                 handler.run(train_step, batch)
-                indices = strategy.experimental_local_results(batch[2])[0].tolist()
-                log.write(f"{attempt} {handler.total_run_calls} "
-                          f"{' '.join(map(str, indices))}\n")
+                record(log, handler.total_run_calls, batch)
+    save_final(rank, model, args.out)
+
+
+def save_final(rank, model, out):
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
-                   os.path.join(args.out, "final.pt"))
+                   os.path.join(out, "final.pt"))
 
 
 if __name__ == "__main__":
