@@ -35,12 +35,11 @@ def owning_extended(*objects: Any) -> Any:
     ``state_dict_for_checkpoint`` / ``load_state_dict_from_checkpoint`` save and load them.
 
     A module carries its owner (`torchstrategy.module_state`: a module adopted with
-    ``strategy.adopt``, or built in a ShardedStrategy's scope), so a program holding several
-    strategies checkpoints each model through its own, whichever scope was entered last.
-    For objects that carry none (an optimizer alone, a scheduler, a module built in a
-    mirrored scope), the strategy active here (inside a ``scope()``) owns them, else the
-    strategy whose scope was entered last (`ownership.live_strategy`), else the default
-    strategy.
+    ``strategy.adopt``, built in a strategy's scope, or handed to it by a Trainer), so a
+    program holding several strategies checkpoints each model through its own, whichever
+    scope was entered last. For objects that carry none (an optimizer alone, a scheduler),
+    the strategy active here (inside a ``scope()``) owns them, else the strategy whose
+    scope was entered last (`ownership.live_strategy`), else the default strategy.
 
     Raises:
       ValueError: `objects` owned by different strategies (save them separately, each

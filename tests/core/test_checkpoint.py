@@ -121,3 +121,31 @@ def test_load_of_a_missing_checkpoint(tmp_path):
     missing = tmp_path / "nope.pt"
     with pytest.raises(FileNotFoundError, match="No checkpoint at .*nope.pt"):
         ts.checkpoint.load(missing)
+
+
+def _checkpoints_of_a_model_built_in_a_mirrored_scope(directory):
+    from torchstrategy import checkpoint
+
+    strategy = ts.MirroredStrategy()
+    with strategy.scope():
+        model = make_model()
+    other = ts.OneDeviceStrategy("cpu")
+    with other.scope():      # the scope entered last is now another strategy's
+        in_other_scope = checkpoint.owning_extended(model) is strategy.extended
+        backup = ts.BackupAndRestore(directory).track(model=model)
+        backup.save()
+    outside = checkpoint.owning_extended(model) is strategy.extended
+    saved = torch.load(backup.path, weights_only=False)
+    return from_every_replica({"in_other_scope": in_other_scope, "outside": outside,
+                               "replicas": saved["num_replicas"]})
+
+
+def test_a_model_built_in_a_mirrored_scope_is_checkpointed_through_its_strategy(tmp_path):
+    # The module carries its owner (as an adopted one does): inside another strategy's
+    # scope, and outside every scope after that one, its backup is taken by the two
+    # replicas of the MirroredStrategy that built it (chief writes, world of 2), not by the
+    # one-replica strategy entered last (each replica its own chief, a world of 1).
+    per_replica = launch(_checkpoints_of_a_model_built_in_a_mirrored_scope,
+                         str(tmp_path / "backup"), n=2)
+    for res in per_replica:
+        assert res == {"in_other_scope": True, "outside": True, "replicas": 2}
