@@ -1,9 +1,10 @@
 """Convergence under gradient compression: a small GPT trained on 2 replicas (gloo, CPU)
 with the default reduction, bf16 on the wire, ts.PowerSGD(rank=4) (from the first step, and
-after ``--warmup`` uncompressed steps), ts.Int8(), and, as the reference, torch's own DDP
-PowerSGD hook (``ddp-powersgd``): same seed, same data, same number of steps; prints the
-final validation losses side by side and writes the loss curves (JSON, and a PNG when
-matplotlib is installed).
+after ``--warmup`` uncompressed steps), ts.Int8(), 1-bit Adam (``onebit``: ts.OneBitAdam with
+the optimizer ts.OneBitAdamW, ``--onebit-warmup`` uncompressed steps) and, as the reference,
+torch's own DDP PowerSGD hook (``ddp-powersgd``): same seed, same data, same number of
+steps; prints the final validation losses side by side and writes the loss curves (JSON,
+and a PNG when matplotlib is installed).
 
 Corpus: the Python standard library's own source files (``sysconfig.get_paths()["stdlib"]``,
 the ``*.py`` files directly in it, sorted by name), as bytes (vocabulary 256); the first
@@ -91,7 +92,8 @@ def windows(data: torch.Tensor, starts: torch.Tensor, context: int
 def train(name: str, args: argparse.Namespace) -> dict:
     compression = {"none": None, "bf16": "bf16", "powersgd": ts.PowerSGD(rank=args.rank),
                    "powersgd-warmup": ts.PowerSGD(rank=args.rank, warmup_steps=args.warmup),
-                   "int8": ts.Int8(), "ddp-powersgd": None}[name]
+                   "int8": ts.Int8(), "ddp-powersgd": None,
+                   "onebit": ts.OneBitAdam(warmup_steps=args.onebit_warmup)}[name]
     torch.set_num_threads(1)
     strategy = ts.MirroredStrategy(cross_device_ops=ts.NcclAllReduce(compression=compression))
     replica = strategy.extended.replica_id
@@ -114,8 +116,12 @@ def train(name: str, args: argparse.Namespace) -> dict:
     else:
         with strategy.scope():
             model = GPT(args.layers, args.width, args.context)
-    if args.optimizer == "adamw":
-        optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    if name == "onebit":   # the moments live in the reduction; AdamW's defaults otherwise
+        if args.optimizer != "adamw":
+            raise SystemExit("the onebit run is 1-bit Adam: use it with --optimizer adamw")
+        optimizer: torch.optim.Optimizer = ts.OneBitAdamW(model.parameters(), lr=args.lr)
+    elif args.optimizer == "adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     else:   # PowerSGD's paper trains with SGD and momentum
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     # "cosine": the learning rate decays from --lr to 0 over the run (as GPT training
@@ -131,6 +137,7 @@ def train(name: str, args: argparse.Namespace) -> dict:
             return F.cross_entropy(model(vx).reshape(-1, 256), vy.reshape(-1)).item()
 
     curve = []
+    total_sent = 0   # over the run (a warm-up sends more than the last step)
     start = time.process_time()
     for step in range(args.steps + 1):
         if step % args.eval_every == 0:
@@ -148,6 +155,7 @@ def train(name: str, args: argparse.Namespace) -> dict:
             loss = F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
             ts.scale_mean_loss(loss).backward()
         optimizer.step()
+        total_sent += strategy.extended.stats().bytes_reduced
         if schedule is not None:
             schedule.step()
     stats = strategy.extended.stats()
@@ -158,8 +166,9 @@ def train(name: str, args: argparse.Namespace) -> dict:
                        else p.numel() for p in model.parameters())
         ratio = 4 * sum(p.numel() for p in model.parameters()) / sent
     return {"name": name, "setting": setting(args), "rank": args.rank,
-            "warmup": {"powersgd-warmup": args.warmup,
+            "warmup": {"powersgd-warmup": args.warmup, "onebit": args.onebit_warmup,
                        "ddp-powersgd": max(2, args.warmup)}.get(name, 0),
+            "mean_bytes": total_sent / args.steps if name != "ddp-powersgd" else sent,
             "seed": args.seed, "curve": curve, "cpu_seconds": time.process_time() - start,
             "bytes": sent, "ratio": ratio,
             "params": sum(p.numel() for p in model.parameters())}
@@ -174,6 +183,8 @@ def setting(args: argparse.Namespace | dict) -> str:
 
 def label(result: dict) -> str:
     name = result["name"]
+    if name == "onebit":
+        return f"1-bit Adam, {result['warmup']} warm-up steps"
     if "powersgd" in name:
         name = name.replace("-warmup", "") + f" rank {result.get('rank', 4)}"
         if result.get("warmup"):
@@ -200,11 +211,12 @@ def merge(paths: list[str]) -> list:
         with open(path) as f:
             data = json.load(f)
         for r in data["results"]:
-            r.setdefault("setting", setting(data["args"]))
-            r.setdefault("rank", data["args"]["rank"])
-            r.setdefault("seed", data["args"]["seed"])
-            r.setdefault("warmup", data["args"]["warmup"] if r["name"] == "powersgd-warmup"
-                         else 0)
+            if "args" in data:   # a merged file's results carry these already
+                r.setdefault("setting", setting(data["args"]))
+                r.setdefault("rank", data["args"]["rank"])
+                r.setdefault("seed", data["args"]["seed"])
+                r.setdefault("warmup", data["args"]["warmup"]
+                             if r["name"] == "powersgd-warmup" else 0)
             results.append(r)
     return results
 
@@ -227,9 +239,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=100,
                         help="uncompressed steps first, for the powersgd-warmup run (and "
                              "ddp-powersgd: at least 2, the hook's minimum)")
+    parser.add_argument("--onebit-warmup", type=int, default=100,
+                        help="the onebit run's uncompressed steps (Adam's variance is "
+                             "frozen after them)")
     parser.add_argument("--runs", default="none,bf16,powersgd,powersgd-warmup,int8",
                         help="comma-separated: none, bf16, powersgd, powersgd-warmup, "
-                             "int8, ddp-powersgd (torch's DDP PowerSGD hook, the reference)")
+                             "int8, onebit (ts.OneBitAdam with ts.OneBitAdamW), ddp-powersgd "
+                             "(torch's DDP PowerSGD hook, the reference)")
     parser.add_argument("--json", default=None, help="write the curves here")
     parser.add_argument("--plot", default=None, help="write the PNG plot here")
     parser.add_argument("--replot", default=None, nargs="+",
@@ -281,8 +297,12 @@ def plot(results: list, path: str) -> None:
         plain = next((r["bytes"] for r in runs if r["name"] == "none"), runs[0]["bytes"])
         for r, style in zip(runs, ["-", "--", "-", "-", ":", "-.", "--", ":"]):
             steps, losses = zip(*r["curve"])
+            run_mean = r.get("mean_bytes")   # older results: not recorded
+            over_run = f"; {plain / run_mean:.1f}x over the run" \
+                if r.get("warmup") and run_mean else ""
             ax.plot(steps, losses, style, label=f"{label(r)} (final {losses[-1]:.3f}, "
-                                                f"{plain / r['bytes']:.1f}x fewer bytes)")
+                                                f"{plain / r['bytes']:.1f}x fewer bytes"
+                                                f"{over_run})")
         ax.set_xlabel("step")
         ax.set_ylabel("validation loss (nats/byte)")
         ax.set_title(f"{where}, seed {seed}", fontsize=10)

@@ -28,7 +28,7 @@ from torchstrategy.communication_options import (CommunicationImplementation,
                                                  CommunicationOptions)
 from torchstrategy.collectives.cross_device_ops import (CrossDeviceOps, NcclAllReduce,
                                                         ReductionToOneDevice)
-from torchstrategy.collectives.compression import Int8, PowerSGD
+from torchstrategy.collectives.compression import Int8, OneBitAdam, PowerSGD
 from torchstrategy.collectives.autotune import AutotuneResult, BucketAutotuner
 from torchstrategy.context import (experimental_set_strategy, get_cross_replica_context,
                                    get_replica_context, get_strategy, has_strategy,
@@ -37,6 +37,7 @@ from torchstrategy.input.contexts import (InputContext, InputOptions, InputRepli
                                           ValueContext)
 from torchstrategy.launch.spawn import launch
 from torchstrategy.accumulation import accumulate
+from torchstrategy.onebit_adamw import OneBitAdamW
 from torchstrategy.losses import (compute_average_loss, scale_mean_loss,
                                   scale_regularization_loss)
 from torchstrategy.reduce_op import ReduceOp
@@ -100,6 +101,8 @@ __all__ = [  # one name a line, sorted: adding a name touches one line
     "MirroredVariable",
     "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
+    "OneBitAdam",
+    "OneBitAdamW",
     "OneDeviceStrategy",
     "ParameterServerStrategy",
     "PerReplica",

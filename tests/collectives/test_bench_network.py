@@ -45,8 +45,8 @@ def test_quick_mode_reports_every_configuration_on_a_shaped_link(tmp_path):
     assert "tbf" in summary["qdisc"] and "rate 2Gbit" in summary["qdisc"], summary["qdisc"]
     gpt = summary["models"]["gpt2"]
     assert set(gpt["sync"]) == {"contiguous", "ddp-best", "ddp-fp16", "ours", "ours-bf16",
-                                "ours-powersgd4", "ours-int8"}
-    assert set(gpt["step"]) == set(gpt["sync"]) | {"local", "serial", "ours-autotuned"}
+                                "ours-powersgd4", "ours-int8", "ours-onebit"}
+    assert set(gpt["step"]) == set(gpt["sync"]) | {"local", "serial", "copy", "ours-autotuned"}
     for phase in ("sync", "step"):
         for name, row in gpt[phase].items():
             low, median, high = row["ms"]
@@ -57,6 +57,9 @@ def test_quick_mode_reports_every_configuration_on_a_shaped_link(tmp_path):
         assert sent["ours-bf16"] < 0.51 * sent["ours"]
         assert sent["ours-int8"] < 0.3 * sent["ours"]
         assert sent["ours-powersgd4"] < sent["ours-int8"]
+        # 1-bit Adam (past its one warm-up step): a sign an element, a scale per block
+        # (about 31x fewer at full size; here each tiny bucket pads its last block).
+        assert sent["ours-onebit"] < sent["ours"] / 10   # tiny buckets: padded blocks
     # The autotuner finished its search during warm-up and kept one of its candidates; the
     # sweep timed every candidate again.
     auto = gpt["autotune"]
@@ -66,7 +69,9 @@ def test_quick_mode_reports_every_configuration_on_a_shaped_link(tmp_path):
     targets = summary["targets"]["gpt2"]
     assert set(targets) == {"ours / max(local, contiguous)", "ours / (contiguous + serial)",
                             "ours-powersgd4 / ddp-best",
-                            "ours-powersgd4 / ddp-fp16", "ours-bf16 / ddp-fp16"}
+                            "ours-powersgd4 / ddp-fp16", "ours-bf16 / ddp-fp16",
+                            "ours-onebit / ddp-best", "ours-powersgd4 overhead / one copy",
+                            "ours-int8 overhead / one copy", "ours-onebit overhead / one copy"}
     assert "targets (step phase" in done.stdout
 
 

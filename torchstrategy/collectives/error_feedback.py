@@ -48,7 +48,9 @@ import torch
 import torch.distributed as dist
 
 from torchstrategy import _ops
-from torchstrategy.collectives.compression import ErrorFeedback, GradBucket, Int8, PowerSGD
+from torchstrategy.collectives.compression import (ErrorFeedback, GradBucket, Int8, OneBitAdam,
+                                                   PowerSGD)
+from torchstrategy.collectives.onebit import OneBitAdamReduction
 
 
 class _Deferred:
@@ -88,9 +90,9 @@ class ErrorFeedbackStage:
 
     def __init__(self, compression: ErrorFeedback,
                  group: dist.ProcessGroup | None = None) -> None:
-        if not isinstance(compression, (PowerSGD, Int8)):
-            raise TypeError(f"compression must be ts.PowerSGD or ts.Int8, got "
-                            f"{compression!r}.")
+        if not isinstance(compression, (PowerSGD, Int8, OneBitAdam)):
+            raise TypeError(f"compression must be ts.PowerSGD, ts.Int8 or ts.OneBitAdam, "
+                            f"got {compression!r}.")
         self.compression = compression
         self._group = group
         self.step = 0                                   # synchronised steps so far
@@ -106,6 +108,9 @@ class ErrorFeedbackStage:
         self._step_bytes = [0, 0]   # sent, uncompressed equivalent
         self.last_bytes = (0, 0)
         self._compressed_in_step = False   # PowerSGD sent a matrix as P and Q this step
+        # OneBitAdam (collectives/onebit.py): its error is kept in `residuals`.
+        self._onebit = OneBitAdamReduction(compression, group) \
+            if isinstance(compression, OneBitAdam) else None
 
     # -- called by the reducer, per bucket in launch order -------------------------------
     def launch(self, bucket: GradBucket) -> _Deferred:
@@ -137,6 +142,10 @@ class ErrorFeedbackStage:
     def _reduce(self, bucket: GradBucket) -> None:
         flat = bucket.buffer
         self._step_bytes[1] += flat.numel() * flat.element_size()
+        if self._onebit is not None:   # its warm-up also updates Adam's moments
+            with torch.no_grad():
+                self._onebit.reduce(bucket, self.step, self.residuals, self._sent)
+            return
         if self.step < self.compression.warmup_steps:
             dist.all_reduce(flat, group=self._group)
             self._sent(flat)
@@ -295,18 +304,24 @@ class ErrorFeedbackStage:
                 residual = residual.to(torch.float32)
                 totals[int(i)] = residual.clone() if total is None else total.add_(residual)
         first = states[0]
-        return {"compression": first["compression"], "step": first["step"],
-                "residuals": {i: t.div_(world_size) for i, t in totals.items()},
-                "q": {int(i): t.clone() for i, t in first["q"].items()}}
+        spread = {"compression": first["compression"], "step": first["step"],
+                  "residuals": {i: t.div_(world_size) for i, t in totals.items()},
+                  "q": {int(i): t.clone() for i, t in first["q"].items()}}
+        if "onebit" in first:   # OneBitAdam's moments: the same on every replica
+            spread["onebit"] = first["onebit"]
+        return spread
 
     def state_dict(self) -> dict[str, Any]:
         """This replica's error-feedback state: the compression (its repr), the step
         counter, the residuals and (PowerSGD) the Q matrices, keyed by parameter
         registration index; copies, safe to keep."""
-        return {"compression": repr(self.compression), "step": self.step,
-                "residuals": {i: t.detach().clone().cpu() for i, t in self.residuals.items()},
-                "q": {i: t.t().clone(memory_format=torch.contiguous_format).cpu()
-                      for i, t in self.q_ts.items()}}
+        state = {"compression": repr(self.compression), "step": self.step,
+                 "residuals": {i: t.detach().clone().cpu() for i, t in self.residuals.items()},
+                 "q": {i: t.t().clone(memory_format=torch.contiguous_format).cpu()
+                       for i, t in self.q_ts.items()}}
+        if self._onebit is not None:
+            state["onebit"] = self._onebit.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores what `state_dict` returned (on the same replica of a run with the same
@@ -325,3 +340,5 @@ class ErrorFeedbackStage:
         self.q_ts = {int(i): t.t().clone(memory_format=torch.contiguous_format)
                      for i, t in state["q"].items()}
         self._flat_residuals = {}
+        if self._onebit is not None:
+            self._onebit.load_state_dict(state["onebit"])
