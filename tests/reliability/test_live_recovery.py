@@ -35,12 +35,23 @@ def _free_port():
 
 
 def _start_job(context, out, replicas, kills, min_replicas, steps, global_batch=6,
-               commit_every=1):
+               commit_every=1, joiners=0, max_replicas=None):
     os.makedirs(out, exist_ok=True)
     config = {"out": str(out), "steps": steps, "global_batch": global_batch,
-              "min_replicas": min_replicas, "kills": kills, "commit_every": commit_every}
+              "min_replicas": min_replicas, "kills": kills, "commit_every": commit_every,
+              "max_replicas": max_replicas}
     port = _free_port()
     processes = []
+    for joiner in range(joiners):
+        # Started with the job, without a launcher's variables: it asks to join, and is
+        # admitted at the job's first commit after that.
+        process = context.Process(
+            target=script.replica, name=f"live-recovery-joiner-{joiner}",
+            args=({"TORCHSTRATEGY_TIMEOUT_SECONDS": "60"},
+                  dict(config, join=["127.0.0.1", port]),
+                  os.path.join(out, f"log{replicas + joiner}")))
+        process.start()
+        processes.append(process)
     for rank in range(replicas):
         environment = {"RANK": str(rank), "WORLD_SIZE": str(replicas),
                        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(replicas),
@@ -95,8 +106,8 @@ def _one_device(steps, global_batch):
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    """Three jobs: 4 replicas committing every 2 steps, one leaving on SIGTERM, then two lost,
-    one at a time (training goes on); 2 replicas losing the chief (exit 42); 2 replicas with min_replicas=2 losing
+    """Four jobs: 4 replicas committing every 2 steps, one leaving on SIGTERM, then two lost,
+    one at a time (training goes on); 2 replicas joined by a third, then one lost; 2 replicas losing the chief (exit 42); 2 replicas with min_replicas=2 losing
     one (exit 42); the last two commit every step. The two small
     jobs run together (4 processes at most at any time). The replicas are forked by one
     fork server that imported torch and torchstrategy once."""
@@ -118,6 +129,9 @@ def jobs(tmp_path_factory):
             steps=5)),
     }
     outcome.update(_finish_jobs(impossible))
+    outcome.update(_finish_jobs({"joined": (root / "joined", _start_job(
+        context, root / "joined", 2, [[1, 8, "backward"]], min_replicas=2, steps=10,
+        joiners=1, max_replicas=3))}))
     return outcome
 
 
@@ -146,6 +160,29 @@ def test_departure_and_two_losses_mid_step_survivors_equal_one_device(jobs):
     for got, want in zip(result["params"], expected):
         torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want,
                                    rtol=0, atol=1e-6)
+
+
+def test_joiner_admitted_at_a_commit_then_a_loss_equal_one_device(jobs):
+    codes, logs, results = jobs["joined"]
+    # processes: the joiner first (started with the job), then replicas 0 and 1; replica 1
+    # is SIGKILLed mid-step at step 8, after the joiner was admitted: 2 -> 3 -> 2 replicas.
+    assert codes == [0, 0, -signal.SIGKILL], "\n\n".join(log[-2000:] for log in logs)
+    members, joiner = results[0], results[2]
+    # Admitted at the commit of step `grown` (the call running it returns with 3
+    # replicas); the joiner runs the steps after it, starting at the job's step counter.
+    sizes = members["replicas_per_step"]
+    grown = sizes.index(3)
+    assert sizes == [2] * grown + [3] * (8 - grown) + [2, 2], sizes
+    assert joiner["steps"] == 10
+    assert joiner["replicas_per_step"] == [3] * (7 - grown) + [2, 2]
+    assert [(r[0], r[1], r[2]) for r in members["recoveries"]] == [(8, [1], 2)]
+    assert "replica(s) [2] admitted (joiner(s) [2]); 3 replica(s) regrouped" in logs[0] \
+        or "replica(s) [2] admitted (joiner(s) [2]); 3 replica(s) regrouped" in logs[1]
+    expected = _one_device(10, 6)
+    for got, theirs, want in zip(members["params"], joiner["params"], expected):
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want,
+                                   rtol=0, atol=1e-6)
+        assert got == theirs
 
 
 def test_chief_lost_ends_survivor_with_42(jobs):

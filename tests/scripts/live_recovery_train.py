@@ -3,7 +3,9 @@
 Started by the test as a launcher would (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT; rank 0 hosts the rendezvous store). Arguments: a JSON object
 with ``out`` (a directory), ``steps``, ``global_batch``, ``min_replicas``,
-``commit_every`` (optional, default 1) and ``kills``:
+``commit_every`` (optional, default 1), ``max_replicas`` and ``join`` (optional: the
+job's store address for a process that joins it, started without a launcher's variables)
+and ``kills``:
 ``[[rank, step, where], ...]``, where ``where`` is ``"backward"`` (SIGKILL between the
 forward and the backward: the others wait in the gradient all-reduce) or ``"after_step"``
 (SIGKILL after the optimizer stepped, before the replica's vote) or ``"sigterm"`` (a
@@ -37,16 +39,18 @@ def model_and_optimizer():
 
 
 def main(config):
-    rank = int(os.environ["RANK"])
     strategy = ts.MultiWorkerMirroredStrategy()
     with strategy.scope():
         model, optimizer = model_and_optimizer()
     recovery = LiveRecovery(strategy, {"model": model, "optimizer": optimizer},
                             global_batch_size=config["global_batch"],
                             min_replicas=config["min_replicas"],
-                            failure_detection_seconds=1.0, recovery_timeout_seconds=20.0,
+                            failure_detection_seconds=2.0, recovery_timeout_seconds=30.0,
                             commit_every=config.get("commit_every", 1),
-                            leave_on_signals=(signal.SIGTERM,))
+                            leave_on_signals=(signal.SIGTERM,),
+                            max_replicas=config.get("max_replicas"),
+                            join=tuple(config["join"]) if config.get("join") else None)
+    rank = recovery.uid
     kills = {(r, s): where for r, s, where in config["kills"]}
     x, y = data(config["steps"], config["global_batch"])
     g = config["global_batch"]

@@ -39,6 +39,7 @@ import time
 import uuid
 from typing import Any, Callable, Mapping, NoReturn, Sequence
 
+import torch
 import torch.distributed as dist
 
 from torchstrategy import runtime
@@ -47,8 +48,8 @@ from torchstrategy.fault_tolerance import termination
 from torchstrategy.fault_tolerance.batch_split import check_divisible, replica_slice
 from torchstrategy.fault_tolerance.membership import (Heartbeat, StoreLost,
                                                       agree_on_survivors)
-from torchstrategy.fault_tolerance.step_commit import (ABORT, COMMIT, COMMIT_AND_LEAVE,
-                                                      StepCommit)
+from torchstrategy.fault_tolerance.step_commit import (ABORT, COMMIT, COMMIT_AND_ADMIT,
+                                                      COMMIT_AND_LEAVE, StepCommit)
 from torchstrategy.fault_tolerance.step_snapshot import StepSnapshot
 from torchstrategy.launch import rendezvous
 from torchstrategy.launch import world as world_lib
@@ -64,6 +65,8 @@ _ALL_OR_NOTHING_LAUNCHERS = {
     "reexec": "a re-executed `python train.py` (one machine, or TF_CONFIG) stops its "
               "machine's replicas when one dies",
 }
+# The rendezvous-store key naming the running job's live recovery (its token), read by joiners.
+_JOB_KEY = "torchstrategy/live/job"
 # Text of a collective broken by a lost replica when torch raises it without our wrapper.
 _BROKEN_CONNECTION = ("connection reset", "connection closed", "connection refused",
                       "broken pipe", "timed out", "pair.cc")
@@ -143,6 +146,13 @@ class LiveRecovery:
         the departures would leave fewer than `min_replicas`, every replica exits with 42
         instead. Default: none (signals keep their handlers, e.g. a
         `PreemptionCheckpointHandler`'s job-wide save).
+      max_replicas: the most replicas the job may grow to by admitting joiners (default:
+        its size at the start, i.e. it only shrinks); `global_batch_size` must divide by
+        every size from `min_replicas` to it.
+      join: the rendezvous store's address (host, port) of a running job to join, for a
+        process whose strategy has one replica: it is admitted at the job's next commit,
+        receives the parameters, optimizer state, the step and the random state from
+        replica 0, and returns from here as one of the job's replicas.
       exit_fn: called (on each survivor) when recovery is impossible; default
         ``sys.exit(42)``.
 
@@ -160,7 +170,8 @@ class LiveRecovery:
                  global_batch_size: int, min_replicas: int = 1,
                  failure_detection_seconds: float = 2.0,
                  recovery_timeout_seconds: float = 60.0, commit_every: int = 1,
-                 leave_on_signals: Sequence[int] = (),
+                 leave_on_signals: Sequence[int] = (), max_replicas: int | None = None,
+                 join: tuple[str, int] | None = None,
                  exit_fn: Callable[[], Any] | None = None) -> None:
         extended = strategy.extended
         if not isinstance(extended, DataParallelExtended):
@@ -171,12 +182,21 @@ class LiveRecovery:
             raise TypeError(f"torchstrategy: live recovery cannot run with {refusal}.")
         world = runtime.current().world
         size = extended.communicator.world_size
+        if join is not None and size != 1:
+            raise ValueError(f"join= is for a process whose strategy has one replica (the "
+                             f"joiner), not {size}: make the joiner's strategy on a plain "
+                             "process, without the job's RANK / WORLD_SIZE.")
+        largest = size if max_replicas is None else max_replicas
+        if isinstance(largest, bool) or not isinstance(largest, int) or largest < size:
+            raise ValueError(f"max_replicas must be an int of at least the job's {size} "
+                             f"replicas, got {max_replicas!r}.")
         if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or \
-                not 1 <= min_replicas <= size:
-            raise ValueError(f"min_replicas must be an int from 1 to the job's {size} "
+                not 1 <= min_replicas <= largest:
+            raise ValueError(f"min_replicas must be an int from 1 to the job's {largest} "
                              f"replicas, got {min_replicas!r}.")
-        check_divisible(global_batch_size, range(min_replicas, size + 1))
-        if world is not None and size > 1 and world.launcher in _ALL_OR_NOTHING_LAUNCHERS:
+        check_divisible(global_batch_size, range(min_replicas, largest + 1))
+        if world is not None and size > 1 and world.launcher in _ALL_OR_NOTHING_LAUNCHERS \
+                and join is None:
             raise ValueError(
                 f"torchstrategy: live recovery cannot run here: "
                 f"{_ALL_OR_NOTHING_LAUNCHERS[world.launcher]}. Start each replica with a "
@@ -186,6 +206,9 @@ class LiveRecovery:
         self._strategy = strategy
         self._extended = extended
         self._snapshot = StepSnapshot(objects)
+        self._modules = [o for o in objects.values() if isinstance(o, torch.nn.Module)]
+        self._optimizers = [o for o in objects.values()
+                            if isinstance(o, torch.optim.Optimizer)]
         self._global_batch_size = global_batch_size
         self._min_replicas = min_replicas
         self._dead_after = float(failure_detection_seconds)
@@ -215,21 +238,43 @@ class LiveRecovery:
         self.recoveries: list[Recovery] = []
         self._heartbeat: Heartbeat | None = None
         self._store: dist.Store | None = None
-        if size == 1:
+        # Joiners admitted so far (their uids follow the job's first ranks).
+        self._admitted = 0
+        self._max_replicas = largest
+        self._joined_now: list[int] = []
+        if size == 1 and join is None:
             return
-        assert world is not None and world.master_port, "a world of several replicas"
-        self._world = world
-        # A prefix new for this job's recovery, the same on every replica: replica 0's.
-        token = extended.communicator.broadcast_object(uuid.uuid4().hex)
-        self._prefix = f"torchstrategy/live/{token}/"
+        assert world is not None
         timeout = datetime.timedelta(seconds=self._timeout)
+        if join is not None:
+            host, port = join
+            world = dataclasses.replace(world, master_addr=host, master_port=int(port))
+            self._store = rendezvous.connect(host, int(port), 1, timeout)
+            self._store.wait([_JOB_KEY], timeout)
+            token = self._store.get(_JOB_KEY).decode()
+        else:
+            assert world.master_port, "a world of several replicas"
+            # A prefix new for this job's recovery, the same on every replica: replica 0's.
+            token = extended.communicator.broadcast_object(uuid.uuid4().hex)
+        self._world = world
+        self._prefix = f"torchstrategy/live/{token}/"
         # On the replica that hosts the rendezvous store (torch's env:// makes rank 0 its
         # server), the server lives as long as something references it: the default group
         # does, and it is destroyed by a recovery. This reference keeps it serving.
         self._hosted_store = runtime.current().rendezvous_store()
         # Connections of our own to the rendezvous store: one for this thread, one for the
         # heartbeat thread (the group's own is destroyed with the group).
-        self._store = rendezvous.connect(world.master_addr, world.master_port, size, timeout)
+        if self._store is None:
+            self._store = rendezvous.connect(world.master_addr, world.master_port, size,
+                                             timeout)
+        if join is not None:
+            # A joiner's name: after the job's first ranks and the joiners before it.
+            ticket = int(self._store.add(f"{self._prefix}joiners", 1))
+            self._uid = int(self._store.get(f"{self._prefix}size")) + ticket - 1
+            self._members = []
+        elif world.rank == 0:
+            self._store.set(f"{self._prefix}size", str(size))
+            self._store.set(_JOB_KEY, token)
         self._heartbeat = Heartbeat(
             rendezvous.connect(world.master_addr, world.master_port, size, timeout),
             self._prefix, self._uid)
@@ -245,8 +290,16 @@ class LiveRecovery:
         extended.communicator.diagnose = None
         runtime.current().on_shutdown(f"torchstrategy.live_recovery.{token}", self._finish)
         termination.install_default_log_handler()
+        if join is not None:
+            self._wait_for_admission(ticket)
 
     # -- the step --------------------------------------------------------------------------
+    @property
+    def uid(self) -> int:
+        """This replica's name in the job, kept through regroupings: its rank when the job
+        started; joiners are numbered after the job's first replicas, in their order."""
+        return self._uid
+
     @property
     def num_replicas(self) -> int:
         """The replicas training now (the job's, less those lost)."""
@@ -318,16 +371,20 @@ class LiveRecovery:
             try:
                 if leaving and notice is not None:
                     self._store.set(f"{departures}{self._uid}", signal.Signals(notice).name)
-                outcome = self._commit.decide(self._commits, failure is None, leaving)
+                outcome = self._commit.decide(
+                    self._commits, failure is None, leaving,
+                    self._admitted if len(self._members) < self._max_replicas else None)
             except (StoreLost, RuntimeError) as error:
                 self._give_up(f"the rendezvous store stopped answering ({error}): the chief, "
                               "whose machine hosts it, is lost")
-            if outcome in (COMMIT, COMMIT_AND_LEAVE):
+            if outcome in (COMMIT, COMMIT_AND_LEAVE) or outcome.startswith(COMMIT_AND_ADMIT):
                 self._committed += len(self._window)
                 self._commits += 1
                 self._window = []
                 if outcome == COMMIT_AND_LEAVE:
                     self._depart(departures, leaving)
+                elif outcome.startswith(COMMIT_AND_ADMIT):
+                    self._admit(int(outcome[len(COMMIT_AND_ADMIT):]))
                 return result
             self._check_error_reported()
             self._snapshot.restore()
@@ -366,6 +423,54 @@ class LiveRecovery:
         return StepCommit(self._store, f"{self._prefix}gen{self._generation}/",
                           self._members, self._prefix, self._dead_after)
 
+    def _admit(self, joiners: int) -> None:
+        """After a commit that admits the joiners up to number `joiners`: tells them the new
+        members, regroups with them and gives them the state (`_share_state`)."""
+        assert self._store is not None
+        size0 = int(self._store.get(f"{self._prefix}size"))
+        new = [size0 + t - 1 for t in range(self._admitted + 1, joiners + 1)]
+        members = self._members + new
+        note = json.dumps({"generation": self._generation + 1, "members": members,
+                           "admitted": joiners})
+        for uid in new:
+            self._store.set(f"{self._prefix}admitted/{uid}", note)
+        self._admitted = joiners
+        self._regroup(None, members, joined=new)
+        self._share_state()
+
+    def _wait_for_admission(self, ticket: int) -> None:
+        """The joiner's side of `_admit`: waits (up to the collective timeout) for the job to
+        admit it, then regroups with the job's replicas and takes replica 0's state."""
+        assert self._store is not None
+        key = f"{self._prefix}admitted/{self._uid}"
+        self._store.wait([key], datetime.timedelta(seconds=self._timeout))
+        note = json.loads(self._store.get(key))
+        self._generation = note["generation"] - 1
+        self._admitted = note["admitted"]
+        self._regroup(None, note["members"], joined=[self._uid])
+        self._share_state()
+
+    def _share_state(self) -> None:
+        """Replica 0's parameters, buffers, optimizer state, step counters and random state
+        on every replica of the new group (a collective: after an admission)."""
+        comm = self._extended.communicator
+        tensors: list[torch.Tensor] = [t for m in self._modules
+                                       for t in [*m.parameters(), *m.buffers()]]
+        with torch.no_grad():
+            comm.broadcast_(tensors, src=0)
+        for optimizer in self._optimizers:
+            state = comm.broadcast_object(optimizer.state_dict() if comm.rank == 0 else None)
+            if comm.rank != 0:
+                optimizer.load_state_dict(state)
+        counters = comm.broadcast_object(
+            (self._committed, self._commits, torch.get_rng_state()) if comm.rank == 0
+            else None)
+        if self._uid in self._joined_now:
+            self._committed, self._commits, rng = counters
+            self.step = self._committed
+            torch.set_rng_state(rng)
+        self._joined_now = []
+
     def _on_notice(self, signum: int, frame: Any) -> None:
         del frame
         self._notice = signum
@@ -391,7 +496,7 @@ class LiveRecovery:
         self._regroup(None, staying)
 
     def _regroup(self, failure: BaseException | None,
-                 expected: list[int] | None = None) -> None:
+                 expected: list[int] | None = None, joined: Sequence[int] = ()) -> None:
         """After a step that did not commit (or, with `expected`, after replicas left at a
         commit): the survivors agree on who they are, build a new group and continue as
         its replicas (see the module docstring)."""
@@ -430,21 +535,30 @@ class LiveRecovery:
             self._give_up(f"a second failure during the recovery: the survivors {survivors} "
                           f"could not build their new group "
                           f"({str(error).splitlines()[0][:200]})")
-        self._extended.continue_on_regrouped_world(world)
+        # After an admission every replica builds its reducer for the same parameters in
+        # the same order (a joiner has none yet).
+        self._extended.continue_on_regrouped_world(
+            world, [p for m in self._modules for p in m.parameters() if p.requires_grad]
+            if joined else None)
+        self._joined_now = list(joined)
         self._members = survivors
         self._generation = generation
         self._commit = self._new_commit()
         seconds = time.monotonic() - noticed
-        self.recoveries.append(Recovery(self.step, lost, len(survivors), seconds,
-                                        planned=expected is not None))
+        if not joined:
+            self.recoveries.append(Recovery(self.step, lost, len(survivors), seconds,
+                                            planned=expected is not None))
         if world.rank == 0:
             cause = "" if failure is None else f" ({str(failure).splitlines()[0][:160]})"
             how = "left at a commit (termination notice)" if expected else f"lost{cause}"
+            if joined:
+                how = f"admitted (joiner(s) {list(joined)})"
+                lost = ()
             last = self._committed + len(self._window) - 1
             redo = f"redo step(s) {self.step}..{last} on the same global batches" \
                 if self._window else f"go on from step {self._committed}"
             logger.warning(
-                f"torchstrategy: live recovery: replica(s) {list(lost)} {how}; "
+                f"torchstrategy: live recovery: replica(s) {list(lost) or list(joined)} {how}; "
                 f"{len(survivors)} replica(s) regrouped in {seconds:.2f} s and {redo}.")
 
     def _survivors_world(self, prefix: str, survivors: list[int]) -> world_lib.World:

@@ -26,6 +26,8 @@ from torchstrategy.fault_tolerance.membership import LivenessWatch, StoreLost, w
 COMMIT = "commit"
 # Committed, and one replica or more leave the job after it (a planned departure).
 COMMIT_AND_LEAVE = "commit-leave"
+# Committed, and the joiners up to the number after this prefix are admitted.
+COMMIT_AND_ADMIT = "commit-admit:"
 ABORT = "abort"
 # A leaving replica's vote adds this too, so that the vote completing the count knows
 # whether anyone leaves (no request more per step).
@@ -40,15 +42,20 @@ class StepCommit:
     def __init__(self, store: dist.Store, prefix: str, uids: Sequence[int],
                  heartbeat_prefix: str, dead_after: float) -> None:
         self._store = store
+        # The count of joiners that asked to be admitted (`LiveRecovery`'s join).
+        self._joiners = f"{heartbeat_prefix}joiners"
         self._prefix = prefix
         self._size = len(uids)
         self._watch = LivenessWatch(store, heartbeat_prefix, uids, dead_after)
 
-    def decide(self, step: int, ran: bool, leaving: bool = False) -> str:
+    def decide(self, step: int, ran: bool, leaving: bool = False,
+               admitted: int | None = None) -> str:
         """Votes for `step` (`ran`: whether this replica's step ran to its end; `leaving`:
         whether it leaves the job once the step committed) and returns the decision, the
         same on every replica: `COMMIT`, `COMMIT_AND_LEAVE` (committed, and some replica
-        leaves) or `ABORT`.
+        leaves), `COMMIT_AND_ADMIT` followed by the number of joiners to admit (committed;
+        with `admitted`, the joiners admitted so far, the vote completing the count asks the
+        store whether more are waiting) or `ABORT`.
 
         Raises:
           StoreLost: the store stopped answering (its host, the chief's machine, is gone).
@@ -61,6 +68,10 @@ class StepCommit:
                                         1 + (_LEAVING if leaving else 0)))
             if votes % _LEAVING == self._size:
                 outcome = COMMIT if votes < _LEAVING else COMMIT_AND_LEAVE
+                if outcome == COMMIT and admitted is not None:
+                    waiting = int(self._store.add(self._joiners, 0))
+                    if waiting > admitted:
+                        outcome = f"{COMMIT_AND_ADMIT}{waiting}"
                 return self._store.compare_set(decision, "", outcome).decode()
         except Exception as error:  # TCPStore's errors: its host is gone
             raise StoreLost(str(error).splitlines()[0][:200]) from error

@@ -131,12 +131,14 @@ class DataParallelExtended(ProcessReplicaExtended):
               ) -> torch.nn.Module:
         return self._parameters.adopt(module, optimizer)
 
-    def continue_on_regrouped_world(self, world: world_lib.World) -> None:
+    def continue_on_regrouped_world(self, world: world_lib.World,
+                                    parameters: list[torch.Tensor] | None = None) -> None:
         """Live recovery's hook (`torchstrategy.fault_tolerance.live_recovery`): the
         runtime has replaced the default process group by one over `world` (the
         survivors); this replica becomes replica ``world.rank`` of ``world.world_size``
         (``num_replicas_in_sync`` follows), and the handling rebuilds what it built for
-        the old group (the gradient reducer). The strategy's ``num_workers`` /
+        the old group (the gradient reducer; for `parameters` in this order where given,
+        the same on every replica). The strategy's ``num_workers`` /
         ``worker_index`` / ``is_chief`` describe `world` from then on.
 
         Raises:
@@ -152,7 +154,7 @@ class DataParallelExtended(ProcessReplicaExtended):
         # The roll call counted the old group's replicas; failures of the new group are
         # named by live recovery itself.
         self._comm.diagnose = None
-        self._parameters.rebuild_after_regroup()
+        self._parameters.rebuild_after_regroup(parameters)
         if isinstance(self._container, DataParallelStrategy):
             self._container._world = world
 

@@ -39,7 +39,7 @@ from typing import Any, ClassVar, ContextManager, Iterator
 
 import torch
 
-from torchstrategy import _compat, mirroring, module_state, ownership
+from torchstrategy import _compat, mirroring, ownership
 from torchstrategy.collectives.communicator import Communicator
 from torchstrategy.collectives.reducer import GradientReducer
 from torchstrategy.collectives.stats import ReductionStats
@@ -229,10 +229,11 @@ class ParameterHandling(abc.ABC):
         """Each optimizer such a loop creates for `module`, after `prepare_trainer_module`;
         it stays the same object (changed in place where needed). Nothing by default."""
 
-    def rebuild_after_regroup(self) -> None:
+    def rebuild_after_regroup(self, parameters: list[torch.Tensor] | None = None) -> None:
         """Live recovery's hook: the communicator now spans another set of replicas (a new
         process group, see `torchstrategy.fault_tolerance.live_recovery`); whatever was
-        built for the old one is built again. A handling that cannot refuses.
+        built for the old one is built again, for `parameters` (in this order, the same on
+        every replica) where given. A handling that cannot refuses.
 
         Raises:
           NotImplementedError: this handling cannot continue on another group.
@@ -277,19 +278,6 @@ class MirroredParameters(ParameterHandling):
     def record_parameter(self, module: torch.nn.Module, name: str,
                          param: torch.nn.Parameter) -> None:
         self.recorded.add_parameter(param, f"{type(module).__name__}.{name}")
-        self._own(module)
-
-    def record_buffer(self, module: torch.nn.Module, name: str) -> None:
-        super().record_buffer(module, name)
-        self._own(module)
-
-    def _own(self, module: torch.nn.Module) -> None:
-        """Marks `module`, which registered a tensor this strategy mirrors, as its own
-        (`module_state`), so that checkpoints of it go through this strategy wherever they
-        are taken (``checkpoint.owning_extended``), as for an adopted module. A module
-        belongs to the strategy that recorded it last (as ``adopt`` makes it the
-        adopter's): a LightningModule handed to a second Trainer is the second's."""
-        module_state.attach(module, self.extended)
 
     def settle(self) -> None:
         """Broadcasts what was recorded since the last call from replica 0, after the
@@ -342,12 +330,13 @@ class MirroredParameters(ParameterHandling):
             return ReductionStats(num_parameters=0)
         return self._reducer.stats()
 
-    def rebuild_after_regroup(self) -> None:
-        """A new gradient reducer over the regrouped communicator, for the same parameters
-        in the same order (none with one replica left); the old one is closed (its hooks
-        do nothing from then on)."""
+    def rebuild_after_regroup(self, parameters: list[torch.Tensor] | None = None) -> None:
+        """A new gradient reducer over the regrouped communicator, for `parameters`, else
+        the old reducer's in the same order (none with one replica left); the old one is
+        closed (its hooks do nothing from then on)."""
         old = self._reducer
-        params = old.parameters if old is not None else []
+        params = list(parameters) if parameters is not None else \
+            old.parameters if old is not None else []
         if old is not None:
             old.close()
         self._reducer = None
