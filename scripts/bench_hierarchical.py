@@ -9,6 +9,8 @@ between the 2 leaders, broadcast back), and `copy` (a local memcpy of the same b
 floor no all-reduce beats). On one host every link is loopback, so the hierarchy's real
 advantage (fewer bytes on the slow network between machines) cannot show here: the
 ratio measures its overhead (three dependent collectives instead of one).
+scripts/bench_cluster.py measures the hierarchy where it matters: two network-namespace
+machines, each with its own shaped link (root needed).
 """
 import argparse
 import statistics
