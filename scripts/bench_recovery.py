@@ -17,7 +17,10 @@ variables, rank 0 serving the rendezvous store) that train an MLP whose training
    a file just before) to the next committed step on replica 0, and the recovery's own
    duration (``Recovery.seconds``: agreement and new group; ``--detection`` seconds of it
    are the heartbeat's bound, used only when no collective broke).
-3. **Restart, for comparison.** The path of today (issue 34): ``replicas - 1`` fresh
+3. **A joiner.** Once the loss happened a fresh process joins (``join=``): printed, the
+   seconds from its start to its first step as a replica (import, admission at the next
+   commit, the state broadcast by replica 0).
+4. **Restart, for comparison.** The path of today (issue 34): ``replicas - 1`` fresh
    processes start, import torch and torchstrategy, form their group, build the model,
    load the state from a local file (saved by replica 0 at the end of phase 2) and run one
    step. Printed: the seconds from their start to that step. This is a lower bound of a
@@ -64,7 +67,7 @@ def _worker(config: dict) -> None:
     import torchstrategy as ts
     from torchstrategy.fault_tolerance.live_recovery import LiveRecovery
 
-    rank = int(os.environ["RANK"])
+    joining = config.get("join") is not None
     strategy = ts.MultiWorkerMirroredStrategy()
     with strategy.scope():
         model = _model(config["state_mb"])
@@ -75,14 +78,18 @@ def _worker(config: dict) -> None:
         state = torch.load(config["state_file"], weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-    recovery = LiveRecovery(strategy, {"model": model, "optimizer": optimizer},
-                            global_batch_size=g, min_replicas=1,
-                            failure_detection_seconds=config["detection"])
-    # A second one, committing every k steps, for the timing only (it must not see a loss).
+    # One committing every k steps, for the timing only (it must not see a loss);
+    # made first, so that a joiner joins the one made last.
     every_k = LiveRecovery(strategy, {"model": model, "optimizer": optimizer},
                            global_batch_size=g, min_replicas=1,
                            commit_every=config["commit_every"]) \
-        if not config["restart"] else None
+        if not config["restart"] and not joining else None
+    recovery = LiveRecovery(strategy, {"model": model, "optimizer": optimizer},
+                            global_batch_size=g, min_replicas=1,
+                            failure_detection_seconds=config["detection"],
+                            max_replicas=config["replicas"],
+                            join=tuple(config["join"]) if joining else None)
+    rank = recovery.uid
     generator = torch.Generator().manual_seed(1)
     batches = [torch.randn(g, width, generator=generator) for _ in range(4)]
     kill_at = None
@@ -96,11 +103,13 @@ def _worker(config: dict) -> None:
         optimizer.step()
         optimizer.zero_grad()
 
-    if config["restart"]:
+    if config["restart"] or joining:
         recovery.run(step, batches[0])
-        if rank == 0:
-            with open(config["out"], "w") as f:
+        if rank == 0 or joining:
+            with open(config["out"] if not joining else config["join_out"], "w") as f:
                 json.dump({"first_step_at": time.time()}, f)
+        for _ in range(2 if joining else 0):   # the members' steps after the admission
+            recovery.run(step, batches[0])
         return
     times: dict[str, list[float]] = {"plain": [], "live": [], "every_k": []}
     comm = strategy.extended.communicator
@@ -128,6 +137,13 @@ def _worker(config: dict) -> None:
         recovery.run(step, batches[0])
         if recovery.recoveries and done_at is None:
             done_at = time.time()
+    # A joiner (started by the parent once the kill is written) is admitted at a commit;
+    # 3 steps with it, then the end (bounded: 10 minutes).
+    deadline = time.monotonic() + 600
+    while recovery.num_replicas < config["replicas"] and time.monotonic() < deadline:
+        recovery.run(step, batches[0])
+    for _ in range(3):
+        recovery.run(step, batches[0])
     if rank == 0:
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
                    config["state_file"])
@@ -136,10 +152,11 @@ def _worker(config: dict) -> None:
                        "recovery_seconds": recovery.recoveries[0].seconds}, f)
 
 
-def _start(replicas: int, config: dict) -> list[subprocess.Popen]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def _start(replicas: int, config: dict, port: int | None = None) -> list[subprocess.Popen]:
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
     processes = []
     for rank in range(replicas):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(replicas), LOCAL_RANK=str(rank),
@@ -186,12 +203,35 @@ def main() -> None:
     directory = tempfile.mkdtemp(prefix="bench_recovery_")
     config = {"state_mb": args.state_mb, "global_batch": args.global_batch,
               "rounds": args.rounds, "block": args.block, "detection": args.detection,
-              "commit_every": args.commit_every,
+              "commit_every": args.commit_every, "replicas": args.replicas,
               "victim": args.replicas - 1, "restart": False,
               "kill_file": os.path.join(directory, "killed_at"),
               "state_file": os.path.join(directory, "state.pt"),
               "out": os.path.join(directory, "live.json")}
-    _wait(_start(args.replicas, config), 600)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    members = _start(args.replicas, config, port)
+    # The joiner: a plain process (no launcher's variables), started once the loss
+    # happened; from its start to its first step as a replica.
+    deadline = time.monotonic() + 600
+    while not os.path.exists(config["kill_file"]) and time.monotonic() < deadline \
+            and all(p.poll() is None for p in members):
+        time.sleep(0.05)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                        "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.setdefault("TORCHSTRATEGY_TIMEOUT_SECONDS", "120")
+    join_config = dict(config, join=["127.0.0.1", port],
+                       join_out=os.path.join(directory, "joined.json"))
+    joiner_started = time.time()
+    joiner = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(join_config)],
+                              env=env)
+    _wait(members + [joiner], 600)
+    with open(join_config["join_out"]) as f:
+        joined = json.load(f)
     with open(config["out"]) as f:
         live = json.load(f)
     with open(config["kill_file"]) as f:
@@ -213,6 +253,8 @@ def main() -> None:
     print(f"loss of replica {args.replicas - 1} -> next completed step: "
           f"{live['next_step_at'] - killed_at:.2f} s (of which agreement + new group: "
           f"{live['recovery_seconds']:.2f} s)")
+    print(f"a joiner (a fresh process: import, strategy, admission at a commit, the state "
+          f"from replica 0) -> its first step: {joined['first_step_at'] - joiner_started:.2f} s")
     restart_config = dict(config, restart=True, out=os.path.join(directory, "restart.json"))
     started = time.time()
     _wait(_start(args.replicas - 1, restart_config), 600)
