@@ -30,20 +30,41 @@ def _assert_same_weights(ours, theirs):
 
 
 # -- equivalence with Lightning's DDP ----------------------------------------------------
+# Each launch of two Lightning replicas costs seconds of imports: the script fits again in
+# the same world (--also NAME): Lightning's own strategy="ddp", which starts nothing and
+# gives the reference, or another of our names under the same torchrun.
 @pytest.fixture(scope="module")
-def boring_ddp(tmp_path_factory):
-    return run_training(tmp_path_factory.mktemp("ddp"), "--strategy", "ddp")
+def boring_mirrored(tmp_path_factory):
+    """Trainer(strategy="mirrored", devices=2), then strategy="ddp" in the same world."""
+    return run_training(tmp_path_factory.mktemp("mirrored"), "--strategy", "mirrored",
+                        "--also", "ddp")
+
+
+@pytest.fixture(scope="module")
+def boring_ddp(boring_mirrored):
+    return boring_mirrored["ddp"]
 
 
 @pytest.mark.timeout(400)
-def test_boring_model_registered_name_matches_ddp(boring_ddp, tmp_path):
+def test_boring_model_registered_name_matches_ddp(boring_mirrored, boring_ddp):
     """Trainer(strategy="mirrored", devices=2) vs strategy="ddp": same weights after 6
     optimizer steps of 2 accumulated batches each (no_sync during accumulation)."""
-    ours = run_training(tmp_path, "--strategy", "mirrored")
+    ours = boring_mirrored
     assert ours["strategy"] == "LightningStrategy" and boring_ddp["strategy"] == "DDPStrategy"
     assert ours["world_size"] == boring_ddp["world_size"] == 2
     assert ours["global_step"] == boring_ddp["global_step"] == 6
     _assert_same_weights(ours["state_dict"], boring_ddp["state_dict"])
+    # The runs trained (not a comparison of untouched initial weights).
+    assert any((boring_ddp["state_dict"][key] - value).abs().max() > 1e-3
+               for key, value in _initial_boring_weights().items())
+
+
+def _initial_boring_weights():
+    pl = pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    pl.seed_everything(7)
+    return BoringModel().state_dict()
 
 
 @pytest.mark.timeout(400)
@@ -55,30 +76,43 @@ def test_boring_model_in_notebook_mode_matches_ddp(boring_ddp, tmp_path):
     _assert_same_weights(ours["state_dict"], boring_ddp["state_dict"])
 
 
+@pytest.fixture(scope="module")
+def boring_torchrun(tmp_path_factory):
+    """The same script under torchrun: Trainer(strategy="mirrored"), then
+    strategy="multi_worker_mirrored" in the same torchrun world."""
+    also = ("--also", "multi_worker_mirrored") if hasattr(ts, "MultiWorkerMirroredStrategy") \
+        else ()
+    return run_training(tmp_path_factory.mktemp("torchrun"), "--strategy", "mirrored", *also,
+                        torchrun=True)
+
+
 @pytest.mark.timeout(400)
-def test_boring_model_under_torchrun_matches_ddp(boring_ddp, tmp_path):
-    """The same script under torchrun: the strategy joins torchrun's world."""
-    ours = run_training(tmp_path, "--strategy", "mirrored", torchrun=True)
-    assert ours["world_size"] == 2
+def test_boring_model_under_torchrun_matches_ddp(boring_torchrun, boring_ddp):
+    """The strategy joins torchrun's world."""
+    ours = boring_torchrun
+    assert ours["world_size"] == 2 and ours["strategy"] == "LightningStrategy"
     _assert_same_weights(ours["state_dict"], boring_ddp["state_dict"])
 
 
 @pytest.mark.timeout(400)
-def test_boring_model_multi_worker_name_under_torchrun_matches_ddp(boring_ddp, tmp_path):
+def test_boring_model_multi_worker_name_under_torchrun_matches_ddp(boring_torchrun, boring_ddp):
     """Trainer(strategy="multi_worker_mirrored") under torchrun (one machine here)."""
     if not hasattr(ts, "MultiWorkerMirroredStrategy"):
         pytest.skip("MultiWorkerMirroredStrategy is not in this torchstrategy")
-    ours = run_training(tmp_path, "--strategy", "multi_worker_mirrored", torchrun=True)
-    assert ours["world_size"] == 2
+    ours = boring_torchrun["multi_worker_mirrored"]
+    assert ours["world_size"] == 2 and ours["strategy"] == "LightningStrategy"
     _assert_same_weights(ours["state_dict"], boring_ddp["state_dict"])
 
 
 @pytest.mark.timeout(400)
 def test_regression_fit_validate_test_predict_match_ddp(tmp_path):
     """LightningStrategy(ts.MirroredStrategy(["cpu:0", "cpu:1"])): weights, synced logged
-    metrics (mean and max), validate/test results and predictions equal DDP's."""
-    theirs = run_training(tmp_path / "ddp", "--strategy", "ddp", "--model", "regression")
-    ours = run_training(tmp_path / "ours", "--strategy", "instance", "--model", "regression")
+    metrics (mean and max), validate/test results and predictions equal DDP's (fitted in
+    the same world after ours)."""
+    ours = run_training(tmp_path, "--strategy", "instance", "--model", "regression",
+                        "--also", "ddp")
+    theirs = ours["ddp"]
+    assert ours["strategy"] == "LightningStrategy" and theirs["strategy"] == "DDPStrategy"
     _assert_same_weights(ours["state_dict"], theirs["state_dict"])
     assert set(ours["metrics"]) == {"train_loss", "val_loss", "val_max"}
     for name, value in theirs["metrics"].items():
@@ -94,11 +128,12 @@ def test_regression_fit_validate_test_predict_match_ddp(tmp_path):
 def test_checkpoint_resume_with_pytorch_lightning(tmp_path):
     """pytorch_lightning imported before torchstrategy: ModelCheckpoint written by replica
     0 with the module's own keys (no "module." prefix); fit(ckpt_path=...) resumed at half
-    way ends exactly where an uninterrupted run ends."""
-    common = ("--model", "regression", "--package", "pytorch_lightning",
-              "--import-order", "lightning-first", "--max-steps", "8")
-    resumed = run_training(tmp_path / "resumed", "--strategy", "mirrored", "--resume", *common)
-    straight = run_training(tmp_path / "straight", "--strategy", "mirrored", *common)
+    way ends exactly where an uninterrupted run (the same launch's next fit) ends."""
+    resumed = run_training(tmp_path / "resumed", "--strategy", "mirrored", "--resume",
+                           "--straight-too", "--model", "regression", "--package",
+                           "pytorch_lightning", "--import-order", "lightning-first",
+                           "--max-steps", "8")
+    straight = resumed["straight"]
     assert resumed["lightning_modules"] == ["pytorch_lightning"]
     assert resumed["checkpoint_keys"] == sorted(straight["state_dict"])
     assert resumed["global_step"] == straight["global_step"] == 8
@@ -285,7 +320,14 @@ def _collectives_replica():
 
 @pytest.mark.timeout(120)
 def test_collectives_on_two_replicas():
-    out = ts.launch(_collectives_replica, num_replicas=2, timeout_seconds=60)
+    # Forked from this process, which imported Lightning already: each replica of the
+    # default fork server would import it again (seconds each). What the test checks (the
+    # adapter's collectives in a launched world) does not depend on how replicas start.
+    pytest.importorskip("lightning.pytorch")
+    import torchstrategy.lightning  # noqa: F401
+
+    out = ts.launch(_collectives_replica, num_replicas=2, timeout_seconds=60,
+                    start_method="fork")
     assert out["ranks"] == (0, 2, True)
     assert out["mean"] == [1.5, 15.0]
     assert out["sum"] == out["torch_sum"] == [3.0, 30.0]

@@ -2,10 +2,18 @@
 
     python tests/scripts/lightning_train.py --strategy ddp|mirrored|instance|one_device \
         --model boring|regression --out DIR [--package lightning|pytorch_lightning] [--resume]
+        [--also NAME ...] [--straight-too]
 
 Run as a plain script (Lightning's ddp and our re-execution launcher both start the other
 replica by running this command again). Replica 0 writes DIR/result.pt: the final
 state_dict, the logged metrics, and what validate/test/predict returned.
+
+Each launch of Lightning replicas costs seconds of imports, so one launch can train more
+than once: ``--also NAME`` then fits the same model from the same seed with strategy NAME
+in the world the first fit's launcher made (Lightning's own ``"ddp"`` finds its variables
+and process group and starts nothing; so do ours), giving result[NAME];
+``--straight-too`` (with ``--resume``) then trains uninterrupted for all the steps
+(result["straight"]).
 """
 import argparse
 import importlib
@@ -25,6 +33,10 @@ parser.add_argument("--import-order", default="torchstrategy-first")
 parser.add_argument("--max-steps", type=int, default=6)
 parser.add_argument("--resume", action="store_true",
                     help="train half the steps, then resume from the checkpoint")
+parser.add_argument("--also", action="append", default=[],
+                    help="then train again with this strategy in the same world")
+parser.add_argument("--straight-too", action="store_true",
+                    help="then train again uninterrupted, for all the steps")
 args = parser.parse_args()
 
 if args.import_order == "torchstrategy-first":
@@ -87,14 +99,14 @@ def regression_data():
     return TensorDataset(x, y)
 
 
-def make_trainer(max_steps, callbacks=()):
-    if args.strategy == "instance":
+def make_trainer(strategy_name, max_steps, callbacks=()):
+    if strategy_name == "instance":
         strategy = LightningStrategy(ts.MirroredStrategy(devices=["cpu:0", "cpu:1"]))
         devices = "auto"
-    elif args.strategy == "one_device":
+    elif strategy_name == "one_device":
         strategy, devices = "one_device", 1
     else:  # "ddp", "mirrored", "multi_worker_mirrored", "mirrored_notebook" (stdin)
-        strategy, devices = args.strategy, 2
+        strategy, devices = strategy_name, 2
     return pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices,
                       max_steps=max_steps, limit_val_batches=2, enable_progress_bar=False,
                       enable_model_summary=False, logger=False,
@@ -104,33 +116,41 @@ def make_trainer(max_steps, callbacks=()):
                       accumulate_grad_batches=2 if args.model == "boring" else 1)
 
 
-def main():
-    pl.seed_everything(7)
+def new_model():
+    return demos.BoringModel() if args.model == "boring" else Regression()
+
+
+def data():
+    """(train, val) loaders."""
     if args.model == "boring":
-        model = demos.BoringModel()
-        train = DataLoader(demos.RandomDataset(32, 64), batch_size=4, shuffle=True)
-        val = DataLoader(demos.RandomDataset(32, 16), batch_size=4)
-    else:
-        model = Regression()
-        train = DataLoader(regression_data(), batch_size=8, shuffle=True)
-        val = DataLoader(regression_data(), batch_size=8)
+        return (DataLoader(demos.RandomDataset(32, 64), batch_size=4, shuffle=True),
+                DataLoader(demos.RandomDataset(32, 16), batch_size=4))
+    return (DataLoader(regression_data(), batch_size=8, shuffle=True),
+            DataLoader(regression_data(), batch_size=8))
+
+
+def fit(strategy_name, resume=False):
+    """One training from seed 7; what the tests compare, and whether this is replica 0."""
+    pl.seed_everything(7)
+    model = new_model()
+    train, val = data()
     result = {}
-    if args.resume:
+    if resume:
         ckpt = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(args.out, "ckpt"),
                                             save_last=True, every_n_train_steps=1)
-        trainer = make_trainer(args.max_steps // 2, [ckpt])
+        trainer = make_trainer(strategy_name, args.max_steps // 2, [ckpt])
         trainer.fit(model, train, val)
         last = os.path.join(args.out, "ckpt", "last.ckpt")
         result["checkpoint_keys"] = sorted(torch.load(last, weights_only=False)["state_dict"])
         pl.seed_everything(7)
-        resumed = Regression() if args.model == "regression" else demos.BoringModel()
+        resumed = new_model()
         ckpt2 = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(args.out, "ckpt2"),
                                              save_last=True)
-        trainer = make_trainer(args.max_steps, [ckpt2])
+        trainer = make_trainer(strategy_name, args.max_steps, [ckpt2])
         trainer.fit(resumed, train, val, ckpt_path=last)
         model = resumed
     else:
-        trainer = make_trainer(args.max_steps)
+        trainer = make_trainer(strategy_name, args.max_steps)
         trainer.fit(model, train, val)
     result["global_step"] = trainer.global_step
     result["strategy"] = type(trainer.strategy).__name__
@@ -142,9 +162,18 @@ def main():
         result["test"] = trainer.test(model, val, verbose=False)
         predictions = trainer.predict(model, DataLoader(regression_data(), batch_size=8))
         result["predictions"] = torch.cat(predictions)
+    return result, trainer.is_global_zero
+
+
+def main():
+    result, chief = fit(args.strategy, resume=args.resume)
+    for name in args.also:
+        result[name], _ = fit(name)
+    if args.straight_too:
+        result["straight"], _ = fit(args.strategy)
     result["lightning_modules"] = sorted(m for m in ("lightning", "pytorch_lightning")
                                          if m in sys.modules)
-    if trainer.is_global_zero:
+    if chief:
         torch.save(result, os.path.join(args.out, "result.pt"))
 
 
