@@ -8,10 +8,12 @@ weights, every replica's running statistics and the logged ``val_loss`` equal DD
 step.
 
 This file is also the training program: ``python tests/lightning/test_buffers.py
---strategy ddp|mirrored|mirrored_mean --out DIR`` (both launchers start the second
-replica by running the command again). In one launch it runs, on 2 CPU replicas whose
-batches differ (Lightning's DistributedSampler), with every replica writing
-DIR/result_<rank>.pt:
+--strategy CONFIGURATION[,CONFIGURATION...] --out DIR``, each of ddp, mirrored,
+mirrored_mean (both launchers start the second replica by running the command again; a
+launch costs seconds of imports, so the tests make one: "mirrored" first, whose launcher
+makes the world, then "mirrored_mean" and "ddp", which find it and start nothing). For
+each configuration it runs, on 2 CPU replicas whose batches differ (Lightning's
+DistributedSampler), with every replica writing DIR/result_<configuration>_<rank>.pt:
 - ``auto``: a fit with automatic optimisation and gradient accumulation (2 batches) that
   validates after its first epoch and stops in the middle of the second (so the replicas'
   statistics differ at the end under "ddp"), then ``trainer.validate``;
@@ -83,7 +85,15 @@ def data(seed: int, n: int) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=4, shuffle=seed == 1)
 
 
-def _program(strategy: str, out: str) -> None:
+def _program(configurations: str, out: str) -> None:
+    unknown = [c for c in configurations.split(",") if c not in CONFIGURATIONS]
+    if unknown:
+        raise SystemExit(f"unknown configurations {unknown}; choose from {CONFIGURATIONS}")
+    for strategy in configurations.split(","):
+        _fit_twice(strategy, out)
+
+
+def _fit_twice(strategy: str, out: str) -> None:
     def trainer(**kwargs):
         if strategy == "mirrored_mean":
             chosen = LightningStrategy(kind="mirrored", buffers="mean")
@@ -116,27 +126,35 @@ def _program(strategy: str, out: str) -> None:
     result["manual"] = record(model, fitted)
     result["strategy"] = type(fitted.strategy).__name__
     os.makedirs(out, exist_ok=True)
-    torch.save(result, os.path.join(out, f"result_{fitted.global_rank}.pt"))
+    torch.save(result, os.path.join(out, f"result_{strategy}_{fitted.global_rank}.pt"))
 
 
 # -- the tests -----------------------------------------------------------------------------
-def _run(out_dir, configuration: str) -> list[dict]:
-    """Runs this file as the program under `configuration`; both replicas' results."""
+def _run(out_dir, configurations: tuple[str, ...]) -> dict[str, list[dict]]:
+    """Runs this file as the program under `configurations`, in that order, in one launch;
+    both replicas' results of each."""
     os.makedirs(out_dir, exist_ok=True)
-    argv = [sys.executable, os.path.abspath(__file__), "--strategy", configuration,
+    argv = [sys.executable, os.path.abspath(__file__), "--strategy", ",".join(configurations),
             "--out", str(out_dir)]
     done = subprocess.run(argv, cwd=ROOT, env=clean_env(), capture_output=True, text=True,
                           timeout=SUBPROCESS_TIMEOUT_SECONDS)
-    assert done.returncode == 0, (f"{configuration} exited with {done.returncode}\n"
+    assert done.returncode == 0, (f"{configurations} exited with {done.returncode}\n"
                                   f"--- stdout ---\n{done.stdout[-3000:]}\n"
                                   f"--- stderr ---\n{done.stderr[-5000:]}")
-    return [torch.load(os.path.join(out_dir, f"result_{rank}.pt"), weights_only=False)
-            for rank in (0, 1)]
+    return {name: [torch.load(os.path.join(out_dir, f"result_{name}_{rank}.pt"),
+                              weights_only=False) for rank in (0, 1)]
+            for name in configurations}
 
 
 @pytest.fixture(scope="module")
-def ddp(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("ddp"), "ddp")
+def launched(tmp_path_factory):
+    # "mirrored" first: our launcher makes the world the others join.
+    return _run(tmp_path_factory.mktemp("buffers"), ("mirrored", "mirrored_mean", "ddp"))
+
+
+@pytest.fixture(scope="module")
+def ddp(launched):
+    return launched["ddp"]
 
 
 def _assert_same_state(ours: dict, theirs: dict, what: str) -> None:
@@ -147,13 +165,13 @@ def _assert_same_state(ours: dict, theirs: dict, what: str) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_default_buffers_match_ddp_on_every_replica(ddp, tmp_path):
+def test_default_buffers_match_ddp_on_every_replica(ddp, launched):
     """strategy="mirrored" (buffers="broadcast"): on each replica, the weights and the
     BatchNorm statistics after a fit with accumulation that stops mid-epoch (replicas'
     statistics then differ, as under "ddp"), after ``trainer.validate`` (replica 0's
     everywhere) and after a fit with manual optimisation equal DDP's, and so do the
     logged val_loss and validate's loss."""
-    ours = _run(tmp_path, "mirrored")
+    ours = launched["mirrored"]
     assert ours[0]["strategy"] == "LightningStrategy" and ddp[0]["strategy"] == "DDPStrategy"
     for rank in (0, 1):
         for fit in ("auto", "manual"):
@@ -173,12 +191,12 @@ def test_default_buffers_match_ddp_on_every_replica(ddp, tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_mean_buffers_are_the_replica_mean(ddp, tmp_path):
+def test_mean_buffers_are_the_replica_mean(ddp, launched):
     """LightningStrategy(kind="mirrored", buffers="mean"): after every training step
     each replica holds the mean of the statistics the replicas computed, the weights
     still equal DDP's (buffers do not change gradients of a training forward), and the
     statistics differ from DDP's."""
-    ours = _run(tmp_path, "mirrored_mean")
+    ours = launched["mirrored_mean"]
     for fit in ("auto", "manual"):
         local = [ours[rank][fit]["local_stats"] for rank in (0, 1)]
         after = [ours[rank][fit]["stats_after_step"] for rank in (0, 1)]
@@ -212,7 +230,8 @@ def test_unknown_buffers_mode_is_refused_at_construction():
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", choices=CONFIGURATIONS, required=True)
+    parser.add_argument("--strategy", required=True,
+                        help=f"comma-separated, each of {', '.join(CONFIGURATIONS)}")
     parser.add_argument("--out", required=True)
     arguments = parser.parse_args()
     _program(arguments.strategy, arguments.out)
