@@ -39,7 +39,7 @@ from typing import Any, ClassVar, ContextManager, Iterator
 
 import torch
 
-from torchstrategy import _compat, mirroring, ownership
+from torchstrategy import _compat, mirroring, module_state, ownership
 from torchstrategy.collectives.communicator import Communicator
 from torchstrategy.collectives.reducer import GradientReducer
 from torchstrategy.collectives.stats import ReductionStats
@@ -278,6 +278,19 @@ class MirroredParameters(ParameterHandling):
     def record_parameter(self, module: torch.nn.Module, name: str,
                          param: torch.nn.Parameter) -> None:
         self.recorded.add_parameter(param, f"{type(module).__name__}.{name}")
+        self._own(module)
+
+    def record_buffer(self, module: torch.nn.Module, name: str) -> None:
+        super().record_buffer(module, name)
+        self._own(module)
+
+    def _own(self, module: torch.nn.Module) -> None:
+        """Marks `module`, which registered a tensor this strategy mirrors, as its own
+        (`module_state`), so that checkpoints of it go through this strategy wherever they
+        are taken (``checkpoint.owning_extended``), as for an adopted module. A module
+        belongs to the strategy that recorded it last (as ``adopt`` makes it the
+        adopter's): a LightningModule handed to a second Trainer is the second's."""
+        module_state.attach(module, self.extended)
 
     def settle(self) -> None:
         """Broadcasts what was recorded since the last call from replica 0, after the
