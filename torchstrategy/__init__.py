@@ -22,6 +22,7 @@ from torchstrategy.cluster_resolver import KubernetesClusterResolver, SlurmClust
 from torchstrategy import metrics, mixed_precision
 from torchstrategy.backup_and_restore import BackupAndRestore
 from torchstrategy.fault_tolerance import PreemptionCheckpointHandler, TerminationConfig
+from torchstrategy.fault_tolerance.live_recovery import LiveRecovery
 from torchstrategy.collectives.communicator import CollectiveError
 from torchstrategy.collectives.hierarchical import HierarchicalCopyAllReduce
 from torchstrategy.communication_options import (CommunicationImplementation,
@@ -96,6 +97,7 @@ __all__ = [  # one name a line, sorted: adding a name touches one line
     "Int8",
     "KubernetesClusterResolver",
     "LightningStrategy",
+    "LiveRecovery",
     "Mirrored",
     "MirroredStrategy",
     "MirroredVariable",
