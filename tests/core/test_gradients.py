@@ -230,8 +230,10 @@ def test_reducer_matches_reference_for_shared_mixed_and_low_precision(
                          n=num_replicas)
     buckets = per_replica[0]["buckets"]
     if bucket_cap_mb < 1:
-        # 104-byte buckets: most parameters get a bucket of their own.
-        assert len(buckets) >= 20, buckets
+        # 104-byte buckets, filled as DDP fills them (a bucket closes with the parameter that
+        # crosses its cap: tests/collectives/test_bucket_layout.py checks the rule against
+        # torch's): small tensors share one, most get a bucket of their own.
+        assert len(buckets) >= 10, buckets
     else:
         assert len(buckets) == 3, buckets  # one per dtype: fp32, fp64, bf16
     for rank, res in enumerate(per_replica):

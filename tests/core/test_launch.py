@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.helpers import SCRIPTS
-from tests.helpers.processes import alive, plain_environment
+from tests.helpers.processes import alive, plain_environment, take_sigint_by_default
 
 SCRIPT = os.path.join(SCRIPTS, "reexec_train.py")
 FAILING = os.path.join(SCRIPTS, "failing_replica.py")
@@ -90,7 +90,8 @@ def test_replica_zero_failing_stops_the_others(tmp_path):
 def test_ctrl_c_stops_every_replica(tmp_path):
     process = subprocess.Popen([sys.executable, SCRIPT, "hang_until_signal", str(tmp_path)],
                                env=plain_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)
+                               text=True, start_new_session=True,
+                               preexec_fn=take_sigint_by_default)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not all(
             os.path.exists(tmp_path / f"ready{r}") for r in range(2)):

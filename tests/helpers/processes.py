@@ -1,5 +1,6 @@
 """Starting a program as a user would, and telling whether its processes still run."""
 import os
+import signal
 import time
 
 # Variables a launcher sets; a test that starts a program "from a plain shell" removes them
@@ -16,6 +17,16 @@ def plain_environment(timeout_seconds=60):
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
     env["TORCHSTRATEGY_TIMEOUT_SECONDS"] = str(timeout_seconds)
     return env
+
+
+
+def take_sigint_by_default() -> None:
+    """`preexec_fn` for a job a test interrupts with SIGINT, as a terminal's Ctrl-C does.
+
+    A job started from a shell's background (`cmd &`, `nohup`, some CI runners) inherits
+    SIGINT ignored, and Python then never installs its KeyboardInterrupt handler: the job
+    would ignore the test's Ctrl-C. A job in a terminal takes SIGINT; so does this one."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def alive(pid):

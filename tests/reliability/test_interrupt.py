@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.helpers import SCRIPTS
-from tests.helpers.processes import alive, plain_environment
+from tests.helpers.processes import alive, plain_environment, take_sigint_by_default
 
 SCRIPT = os.path.join(SCRIPTS, "reexec_train.py")
 
@@ -19,7 +19,8 @@ SCRIPT = os.path.join(SCRIPTS, "reexec_train.py")
 def test_ctrl_c_to_the_parent_of_a_reexecuted_job_is_reported_as_an_interruption(tmp_path):
     process = subprocess.Popen([sys.executable, SCRIPT, "hang_until_signal", str(tmp_path)],
                                env=plain_environment(), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+                               stderr=subprocess.PIPE, text=True, start_new_session=True,
+                               preexec_fn=take_sigint_by_default)
     try:
         ready = [tmp_path / f"ready{r}" for r in range(2)]
         deadline = time.monotonic() + 120
@@ -53,7 +54,7 @@ def test_sigint_to_replica_zero_blocked_in_a_collective_ends_every_replica_at_on
     process = subprocess.Popen([sys.executable, FAILING, mode, str(tmp_path)],
                                env=plain_environment(timeout_seconds=timeout),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
+                               start_new_session=True, preexec_fn=take_sigint_by_default)
     try:
         pid_files = [tmp_path / f"pid{r}" for r in range(2)]
         deadline = time.monotonic() + 120
@@ -91,7 +92,8 @@ def test_ctrl_c_to_a_torchrun_job_blocked_in_a_collective_ends_it_at_once(tmp_pa
         [torchrun, "--standalone", "--nproc-per-node=2", FAILING, "torchrun_blocked",
          str(tmp_path)],
         env=plain_environment(timeout_seconds=timeout), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True)
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=take_sigint_by_default)
     try:
         pid_files = [tmp_path / f"pid{r}" for r in range(2)]
         deadline = time.monotonic() + 120

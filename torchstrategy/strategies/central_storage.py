@@ -162,6 +162,14 @@ class _ThreadCommunicator:
             return obj
         return self._meet(replica, "broadcast", obj, lambda parts: parts[src])
 
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every replica thread's `obj`, in replica order (`[obj]` outside a run: one
+        process is the whole world, which is what a checkpoint's peers see)."""
+        replica = self._replica()
+        if replica is None:
+            return [obj]
+        return self._meet(replica, "gather_objects", obj, lambda parts: list(parts))
+
     def barrier(self) -> None:
         """Waits for every replica thread (nothing outside a run)."""
         replica = self._replica()
