@@ -99,7 +99,10 @@ def test_nanogpt_port_logs_and_trains_as_ddp(tmp_path):
         assert_identical(port_ckpt["optimizer"]["state"][index], state, f"AdamW state {index}")
 
 
-def test_lightning_port_logs_and_trains_as_ddp(tmp_path):
+def test_lightning_port_logs_and_trains_as_ddp(tmp_path, monkeypatch):
+    # As after a script's seed_everything: Lightning's "ddp" re-seeds every replica from
+    # PL_GLOBAL_SEED when it sets up; the port must draw the same dropout masks.
+    monkeypatch.setenv("PL_GLOBAL_SEED", "5")
     runs = {}
     for kind in ("ddp", "port"):
         directory = tmp_path / kind

@@ -88,6 +88,7 @@ class LightningPackage:
     fitting: Any               # TrainerFn.FITTING
     rank_zero_only: tuple      # the rank_zero_only functions whose .rank we set
     accelerators: tuple        # ((Accelerator class, device type), ...)
+    reset_seed: Callable[[], None]   # re-seeds from PL_GLOBAL_SEED (seed_everything's)
 
 
 # Lightning package -> the module of `torchstrategy.lightning` that publishes its classes
@@ -105,13 +106,16 @@ def lightning_package(name: str) -> "LightningPackage":
     states = importlib.import_module(f"{name}.trainer.states")
     rank_zero = importlib.import_module(f"{name}.utilities.rank_zero")
     utilities_rank_zero = importlib.import_module("lightning_utilities.core.rank_zero")
+    fabric = "lightning.fabric" if name == "lightning.pytorch" else "lightning_fabric"
+    seed = importlib.import_module(f"{fabric}.utilities.seed")
     return LightningPackage(
         name=name, trainer=pl.Trainer, fitting=states.TrainerFn.FITTING,
         rank_zero_only=(rank_zero.rank_zero_only, utilities_rank_zero.rank_zero_only),
         accelerators=((accelerators.CPUAccelerator, "cpu"),
                       (accelerators.CUDAAccelerator, "cuda"),
                       (accelerators.MPSAccelerator, "mps"),
-                      (accelerators.XLAAccelerator, "xla")))
+                      (accelerators.XLAAccelerator, "xla")),
+        reset_seed=seed.reset_seed)
 
 
 def defined_once(base: type[_T], package: str, define: Callable[[], type[_T]]) -> type[_T]:
@@ -542,6 +546,10 @@ class LightningStrategy(_LightningParallelStrategy):
     def setup_environment(self) -> None:
         """Lightning's hook in each replica before set-up: a replica started by
         Lightning's launcher (notebooks) builds its strategy here."""
+        # Lightning's "ddp" re-seeds every replica from seed_everything's seed here (its
+        # setup_distributed): without it, a script that calls seed_everything draws other
+        # dropout masks than under "ddp" (tests/porting: the Lightning port's losses).
+        self.lightning.reset_seed()
         if self._ts is None:
             # A replica started by the multiprocessing launcher (notebooks): join the
             # world the launcher set up, as under torchrun.
