@@ -285,7 +285,7 @@ def bench_kernels(device: torch.device, tiny: bool, rounds: int, reps: int) -> d
     sizes = bucket_sizes(tiny)
     tensors = [torch.randn(n, generator=g).to(device) for n in sizes]
     offsets, total = [], 0
-    for n in sizes:                       # 16-byte aligned slots, as the reducer lays out
+    for n in sizes:                       # 16-byte aligned slots: the kernels' aligned case
         offsets.append(total)
         total += -(-n // 4) * 4
     flat = torch.empty(total, device=device)

@@ -7,7 +7,8 @@ handle does the compressed reduction when the core waits for it, after backward 
 finished (so compressed buckets do not overlap backward). The core keeps doing everything else as
 without compression: accumulation under ``no_sync``, averaging (`ts.scale_mean_loss`: the
 bucket already holds gradient / N, and the approximation of the sum of those is the
-approximation of the mean), the "contributed" flags at the end of each bucket, and the
+approximation of the mean), the "contributed" flags (one per parameter, outside the
+buckets, summed by the core before any handle of this stage is waited for), and the
 settling of ``.grad``.
 
 Per bucket, with world size N and ``flags`` the bucket's per-parameter contributed counts:
