@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 import tempfile
 from typing import Any, Callable
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from torchstrategy import context, module_state, ownership
 from torchstrategy.collectives import peers as peers_lib
@@ -125,7 +125,7 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
 def _first_sharded(obj: Any, where: str) -> str | None:
     """The path (``obj['model']['0.weight']``) of the first DTensor in `obj`'s dicts, lists
     and tuples, or None."""
-    if isinstance(obj, DTensor):
+    if _is_dtensor(obj):
         return where
     items: Any = obj.items() if isinstance(obj, dict) else \
         enumerate(obj) if isinstance(obj, (list, tuple)) else ()
@@ -134,6 +134,15 @@ def _first_sharded(obj: Any, where: str) -> str | None:
         if found is not None:
             return found
     return None
+
+
+def _is_dtensor(value: Any) -> bool:
+    """Whether `value` is a DTensor, without importing DTensor's module: until something
+    (ShardedStrategy, the user's code) has imported it, nothing can be a DTensor, and importing
+    it here would add about a second to every replica's start (tests/core/test_architecture:
+    test_import_has_no_side_effects)."""
+    dtensor_module = sys.modules.get("torch.distributed.tensor")
+    return dtensor_module is not None and isinstance(value, dtensor_module.DTensor)
 
 
 def write_atomically(obj: Any, path: str | os.PathLike[str],

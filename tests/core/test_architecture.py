@@ -722,7 +722,9 @@ def test_import_has_no_side_effects():
         # FSDP2 / DTensor cost every replica process ~40% more import time: only
         # ShardedStrategy needs them, and ts.ShardedStrategy imports them when first used.
         import torchstrategy.lightning_base.adapter
-        assert "torch.distributed.fsdp" not in sys.modules, "FSDP was imported"
+        for name in ("torch.distributed.fsdp", "torch.distributed.tensor",
+                     "torch.distributed.checkpoint"):
+            assert name not in sys.modules, name + " was imported"
         assert ts.ShardedStrategy.__name__ == "ShardedStrategy"
         from torchstrategy import runtime
         assert runtime._holder.runtime is None, "the runtime was created at import"
