@@ -330,24 +330,19 @@ def publish_launcher_variables(variables: dict[str, str]) -> None:
     os.environ.update(variables)
 
 
-def lightning_trainer_arguments(trainer_cls: type) -> dict[str, Any] | None:
-    """The ``accelerator``, ``devices`` and ``num_nodes`` passed to the Trainer being
-    constructed in this thread (the caller runs inside ``Trainer.__init__``), or None
-    outside one.
+def lightning_parsed_devices(trainer: Any) -> Any:
+    """The Trainer's ``devices`` argument as Lightning parsed it (an int of CPU processes, a
+    list of GPU indices, ...; ``"auto"`` already replaced by the accelerator's device
+    count), for the adapter to refuse devices that disagree with the strategy it wraps.
+    Lightning hands a strategy that has its own ``parallel_devices`` no form of the
+    argument at all and keeps it only in its accelerator connector's ``_devices_flag``
+    (private in every release; checked: lightning 2.5-2.6)."""
+    return trainer._accelerator_connector._devices_flag
 
-    Lightning keeps only the parsed ``devices`` (where "auto" and 1 look alike on CPU) and
-    resolves ``accelerator="auto"`` before a strategy sees it, and hands a strategy neither
-    argument; the adapter needs them to refuse a Trainer whose devices disagree with the
-    strategy it wraps. So they are read from the constructor's frame: the one place in the
-    package that reads another function's frame (checked: lightning 2.5-2.6, whose
-    ``Trainer.__init__`` takes them as keyword arguments)."""
-    frame: types.FrameType | None = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "__init__" and \
-                isinstance(frame.f_locals.get("self"), trainer_cls):
-            arguments = frame.f_locals
-            return {"accelerator": arguments.get("accelerator", "auto"),
-                    "devices": arguments.get("devices", "auto"),
-                    "num_nodes": arguments.get("num_nodes", 1)}
-        frame = frame.f_back
-    return None
+
+def set_lightning_launcher(strategy: Any, launcher: Any) -> None:
+    """Sets the launcher Lightning's ``fit`` runs the strategy under (None: the replicas
+    are already running). ``Strategy.launcher`` has no setter; Lightning's own strategies
+    assign ``_launcher`` in ``_configure_launcher``, as the adapter must (checked:
+    lightning 2.5-2.6)."""
+    strategy._launcher = launcher

@@ -226,23 +226,51 @@ def _one_device():
     return LightningStrategy(ts.OneDeviceStrategy("cpu"))
 
 
+def _fit_one_step(trainer):
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    trainer.fit(BoringModel())
+
+
 def test_wrapped_strategy_decides_devices_when_left_at_auto():
-    trainer = _trainer(strategy=_one_device())
-    assert trainer.strategy.root_device == torch.device("cpu")
-    assert trainer.num_devices == 1 and trainer.world_size == 1
+    """devices and accelerator left at "auto" (or given as the strategy has them): the
+    strategy decides, and at one replica Lightning still gives the loader a
+    DistributedSampler, as it does under "ddp" (whose is_distributed is always True), so
+    both shuffle alike."""
+    from torch.utils.data import DistributedSampler
+
+    for arguments in ({}, {"devices": 1, "accelerator": "cpu"}):
+        trainer = _trainer(strategy=_one_device(), max_steps=1, enable_progress_bar=False,
+                           enable_model_summary=False, enable_checkpointing=False,
+                           **arguments)
+        assert trainer.strategy.root_device == torch.device("cpu")
+        assert trainer.num_devices == 1 and trainer.world_size == 1
+        _fit_one_step(trainer)
+        assert trainer.global_step == 1 and trainer.strategy.is_distributed
+        assert isinstance(trainer.train_dataloader.sampler, DistributedSampler)
 
 
 def test_mismatched_devices_is_a_clear_error():
+    """Lightning keeps the devices argument from a strategy object until the Trainer is
+    built, so the error comes at the start of fit, before anything runs."""
+    trainer = _trainer(strategy=_one_device(), devices=2, max_steps=1,
+                       enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(ValueError, match=r"Trainer\(devices=2\) disagrees with "
                        r"OneDeviceStrategy\(device='cpu:0'\), which runs 1 replica\(s\) on this "
                        r"machine. Leave devices at 'auto' \(or pass devices=1\)"):
-        _trainer(strategy=_one_device(), devices=2)
+        _fit_one_step(trainer)
+    assert trainer.global_step == 0
 
 
 def test_mismatched_accelerator_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"Trainer\(accelerator='cuda'\) disagrees with "
-                       r"OneDeviceStrategy\(device='cpu:0'\), whose replicas run on cpu. Leave "
-                       r"accelerator at 'auto' \(or pass accelerator='cpu'\)"):
+    """The strategy's devices make Lightning take their device type (a CPU strategy stays
+    on CPU under accelerator="auto") and refuse another accelerator itself, while the
+    Trainer is built."""
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    with pytest.raises(MisconfigurationException, match=r"CPU parallel_devices set through "
+                       r"LightningStrategy class, but accelerator set to cuda, please choose "
+                       r"one device type"):
         _trainer(strategy=_one_device(), accelerator="cuda")
 
 

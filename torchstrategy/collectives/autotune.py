@@ -230,7 +230,9 @@ class BucketAutotuner:
         """(bucket cap, first bucket cap) for a candidate."""
         if candidate is not None:
             return candidate, DEFAULT_FIRST_BUCKET_BYTES
-        # One bucket: a cap above every gradient's bytes plus each slot's alignment.
+        # One bucket: a cap above the bytes of every gradient together (the slots are
+        # packed as DDP's, without padding; the 16 bytes per gradient only keep the cap
+        # safely above that sum).
         total = sum(p.numel() * p.element_size() + 16 for p in self._reducer.parameters)
         total = max(total, 1)
         return total, total

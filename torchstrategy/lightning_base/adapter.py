@@ -9,9 +9,14 @@ What the adapter does at each point of Lightning's life cycle:
 
 - construction: every argument is checked (a bad ``kind`` or ``start_method`` is refused
   here, naming the accepted values, not at ``fit``).
-- Trainer construction (``set_world_ranks``): checks the Trainer's ``accelerator``,
-  ``devices`` and ``num_nodes`` against the wrapped strategy, or builds the strategy from
-  them (registered names); building it launches the replicas (re-execution or torchrun).
+- Trainer construction (``set_world_ranks``): checks the accelerator and ``num_nodes``
+  Lightning resolved against the wrapped strategy (whose ``parallel_devices`` made
+  Lightning take its device type: see that property), or builds the strategy from the
+  Trainer's devices (registered names); building it launches the replicas (re-execution
+  or torchrun).
+- start of ``fit``/``validate``/... (``setup_environment``): checks the Trainer's
+  ``devices`` against the wrapped strategy (Lightning keeps that argument from a
+  strategy until then), before any collective.
 - ``setup``: moves the model to the replica's device and hands it to the strategy
   (``extended.prepare_trainer_module``: by default its parameters and buffers are recorded
   as creating them in ``strategy.scope()`` would, broadcast from replica 0 and given to
@@ -41,9 +46,10 @@ Only documented methods of the strategy are used (``extended.communicator``,
 ``prepare_trainer_optimizer``, ``broadcast_buffers``, ``synchronize_buffers``, ``no_sync``,
 ``converts_checkpoint_state`` and the checkpoint methods; ``Strategy.build_for_trainer``
 for a kind, found in `torchstrategy.strategies.registry`), ``ts.scale_mean_loss`` and
-``runtime.current().world``. Private Lightning APIs, Lightning's process-wide
-``rank_zero_only.rank``, the process's environment and the Trainer's constructor
-arguments are reached only through `torchstrategy._compat`, which says why for each.
+``runtime.current().world``. Private Lightning APIs (the parsed ``devices``, the launcher
+attribute, the spawn launcher, optimizer moves), Lightning's process-wide
+``rank_zero_only.rank`` and the process's environment are reached only through
+`torchstrategy._compat`, which says why for each; nothing reads another function's frame.
 """
 from __future__ import annotations
 
@@ -182,34 +188,12 @@ def check_package(package: str | None) -> None:
 
 
 def _device_type(accelerator: Any, known: tuple[tuple[type, str], ...]) -> str | None:
-    """"cpu", "cuda", another device type, or None for "auto" / an accelerator object of
-    a class we do not know. `known`: ((Accelerator class, device type), ...)."""
-    if accelerator is None:
-        return None
-    if not isinstance(accelerator, str):
-        for cls, device_type in known:
-            if isinstance(accelerator, cls):
-                return device_type
-        return None
-    accelerator = accelerator.lower()
-    if accelerator == "auto":
-        return None
-    return {"gpu": "cuda", "tpu": "xla"}.get(accelerator, accelerator)
-
-
-def _requested_count(devices: Any) -> int | None:
-    """The number of devices a Trainer ``devices`` value asks for (None: "auto", or -1 /
-    "-1" meaning all)."""
-    if devices in ("auto", None, -1, "-1"):
-        return None
-    if isinstance(devices, (list, tuple)):
-        return len(devices)
-    if isinstance(devices, str):
-        devices = devices.strip()
-        if "," in devices:
-            return len([d for d in devices.split(",") if d.strip()])
-        return int(devices)
-    return int(devices)
+    """"cpu", "cuda", another device type, or None for an accelerator object of a class we
+    do not know. `known`: ((Accelerator class, device type), ...)."""
+    for cls, device_type in known:
+        if isinstance(accelerator, cls):
+            return device_type
+    return None
 
 
 def check_arguments(strategy: Strategy | None, kind: str | None, start_method: str) -> None:
@@ -337,6 +321,9 @@ class LightningStrategy(_LightningParallelStrategy):
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self._ts = strategy
+        # A strategy object decides the devices (the Trainer's must agree with it); a kind
+        # is built from the Trainer's (``build_for_trainer`` checks them).
+        self._wrapped = strategy is not None
         self._kind = kind
         self._start_method = start_method
         self._num_nodes = 1
@@ -381,8 +368,17 @@ class LightningStrategy(_LightningParallelStrategy):
     # -- devices and ranks ---------------------------------------------------------
     @property
     def parallel_devices(self) -> list[torch.device] | None:
+        """The devices of this machine's replicas: the strategy's, once it exists.
+
+        Lightning's accelerator connector reads this before it resolves the Trainer's
+        ``accelerator`` (``_check_config_and_set_final_flags``; checked: lightning
+        2.5-2.6): a list of CPU devices makes it take the CPU accelerator, a CUDA list the
+        CUDA one, and an ``accelerator`` argument of another type is refused there by
+        Lightning itself (MisconfigurationException, while the Trainer is built). So
+        ``accelerator="auto"`` on a machine with GPUs keeps a CPU strategy on the CPU
+        accelerator (and its mixed precision on CPU autocast): were this empty, the
+        connector would pick CUDA and hand it to us."""
         if self._ts is not None and self._kind is None:
-            self._check_trainer_arguments()
             return self._local_devices()
         return self._parallel_devices
 
@@ -472,7 +468,10 @@ class LightningStrategy(_LightningParallelStrategy):
 
     @property
     def is_distributed(self) -> bool:
-        return self.world_size > 1
+        """True, as for Lightning's DDPStrategy whatever its world size: Lightning then
+        gives the loaders a DistributedSampler at one replica too, so the adapter shuffles
+        as ``"ddp"`` does at every size."""
+        return True
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
@@ -488,33 +487,50 @@ class LightningStrategy(_LightningParallelStrategy):
 
     # -- Trainer construction ------------------------------------------------------
     def _check_trainer_arguments(self) -> None:
-        """Raises if the Trainer being built asks for other devices than the wrapped
-        strategy has (Lightning reads `parallel_devices` first while it parses its
-        arguments, so this runs before any of them is acted on)."""
-        given = _compat.lightning_trainer_arguments(self.lightning.trainer)
-        if given is None:
-            return
+        """Raises if the Trainer being built runs another accelerator or another number of
+        machines than the wrapped strategy. Lightning's connector calls `set_world_ranks`
+        (hence this) after assigning what it resolved through the public attributes
+        ``accelerator`` and ``num_nodes``, before any collective. The ``devices`` argument
+        reaches no strategy: see `_check_trainer_devices`."""
         name = repr(self._ts)
-        wanted_type = (self._built.extended.torch_device or torch.device("cpu")).type
-        asked_type = _device_type(given["accelerator"], self.lightning.accelerators)
-        if asked_type is not None and asked_type != wanted_type:
-            raise ValueError(
-                f"Trainer(accelerator={given['accelerator']!r}) disagrees with {name}, "
-                f"whose replicas run on {wanted_type}. Leave accelerator at 'auto' (or "
-                f"pass accelerator={wanted_type!r}), or create the strategy on the "
-                "devices you want.")
-        asked = _requested_count(given["devices"])
-        local = self._local_replicas()
-        if asked is not None and asked != local:
-            raise ValueError(
-                f"Trainer(devices={given['devices']!r}) disagrees with {name}, which "
-                f"runs {local} replica(s) on this machine. Leave devices at 'auto' (or "
-                f"pass devices={local}): the strategy decides the devices.")
+        wanted_type = self._device().type
+        if self.accelerator is not None:
+            # For CPU and CUDA strategies Lightning refused a contradicting accelerator
+            # already (`parallel_devices`); this catches the other device types.
+            asked_type = _device_type(self.accelerator, self.lightning.accelerators)
+            if asked_type is not None and asked_type != wanted_type:
+                raise ValueError(
+                    f"The Trainer's accelerator ({type(self.accelerator).__name__}) "
+                    f"disagrees with {name}, whose replicas run on {wanted_type}. Leave "
+                    f"accelerator at 'auto' (or pass accelerator={wanted_type!r}), or "
+                    "create the strategy on the devices you want.")
         machines = self._machines()
-        if given["num_nodes"] != machines:
+        if self._num_nodes != machines:
             raise ValueError(
-                f"Trainer(num_nodes={given['num_nodes']}) disagrees with {name}, which "
+                f"Trainer(num_nodes={self._num_nodes}) disagrees with {name}, which "
                 f"spans {machines} machine(s). Pass num_nodes={machines}.")
+
+    def _check_trainer_devices(self, trainer: Any) -> None:
+        """Raises if `trainer`'s ``devices`` disagrees with the wrapped strategy's replicas
+        on this machine. Lightning keeps the argument only in its connector, parsed, and
+        after the Trainer is built (`_compat.lightning_parsed_devices`), so this runs at
+        the start of ``fit``/``validate``/``test``/``predict``, on every replica, before
+        any collective. Parsing replaced ``"auto"`` by the accelerator's device count (1
+        on CPU, every visible GPU on CUDA), so that count is taken for "auto": an explicit
+        ``devices`` equal to it cannot be told apart and is accepted."""
+        parsed = _compat.lightning_parsed_devices(trainer)
+        asked = len(parsed) if isinstance(parsed, (list, tuple)) else int(parsed)
+        local = self._local_replicas()
+        auto = type(self.accelerator).auto_device_count()
+        if asked not in (local, auto):
+            raise ValueError(
+                f"Trainer(devices={parsed!r}) disagrees with {self._ts!r}, which runs "
+                f"{local} replica(s) on this machine. Leave devices at 'auto' (or pass "
+                f"devices={local}): the strategy decides the devices.")
+
+    def _device(self) -> torch.device:
+        """The wrapped strategy's device for this replica."""
+        return self._built.extended.torch_device or torch.device("cpu")
 
     def set_world_ranks(self) -> None:
         """Lightning's hook while the Trainer is built: builds the strategy of a kind
@@ -522,6 +538,8 @@ class LightningStrategy(_LightningParallelStrategy):
         if self._ts is None and self._start_method == "popen":
             self._ts = self._build_strategy()
             self._kind = None
+        elif self._wrapped:
+            self._check_trainer_arguments()
         self._set_rank_zero()
 
     def _build_strategy(self) -> Strategy:
@@ -536,16 +554,19 @@ class LightningStrategy(_LightningParallelStrategy):
 
     def _configure_launcher(self) -> None:
         if self._start_method == "popen":
-            self._launcher = None    # building the strategy launched the replicas
+            # Building the strategy launched the replicas.
+            _compat.set_lightning_launcher(self, None)
         else:
             launcher = _compat.lightning_multiprocessing_launcher(self.lightning.name)
-            self._launcher = launcher(
-                self, start_method=self._start_method)
+            _compat.set_lightning_launcher(self, launcher(self, start_method=self._start_method))
 
     # -- set-up --------------------------------------------------------------------
     def setup_environment(self) -> None:
         """Lightning's hook in each replica before set-up: a replica started by
-        Lightning's launcher (notebooks) builds its strategy here."""
+        Lightning's launcher (notebooks) builds its strategy here; a strategy object
+        is checked against the Trainer's ``devices``."""
+        if self._wrapped:
+            self._check_trainer_devices(self.lightning_module.trainer)
         # Lightning's "ddp" re-seeds every replica from seed_everything's seed here (its
         # setup_distributed): without it, a script that calls seed_everything draws other
         # dropout masks than under "ddp" (tests/porting: the Lightning port's losses).
@@ -777,7 +798,10 @@ LightningStrategy.__doc__ = CLASS_DOC = """A Lightning strategy that runs the Tr
         strategy, ``OneDeviceStrategy``, ``MirroredStrategy`` (and the multi-worker one).
         Creating it is what launches the replicas (re-execution of ``python train.py``,
         or joining torchrun's world), so the Trainer's ``devices``, ``num_nodes`` and
-        ``accelerator`` must agree with it or be left at "auto" (a clear error otherwise).
+        ``accelerator`` must agree with it or be left at "auto" (a clear error otherwise:
+        Lightning's MisconfigurationException for the accelerator and a ValueError for
+        ``num_nodes`` while the Trainer is built, a ValueError for ``devices`` at the
+        start of ``fit``/``validate``/...; see docs/lightning.md).
       kind: instead of `strategy`, the name of a strategy to build from the Trainer's
         ``accelerator``/``devices``/``num_nodes`` ("mirrored", "one_device",
         "multi_worker_mirrored"): what the registered names ``Trainer(strategy="mirrored")``
