@@ -35,11 +35,11 @@ def _free_port():
 
 
 def _start_job(context, out, replicas, kills, min_replicas, steps, global_batch=6,
-               commit_every=1, joiners=0, max_replicas=None):
+               commit_every=1, joiners=0, max_replicas=None, reduce_after_steps=()):
     os.makedirs(out, exist_ok=True)
     config = {"out": str(out), "steps": steps, "global_batch": global_batch,
               "min_replicas": min_replicas, "kills": kills, "commit_every": commit_every,
-              "max_replicas": max_replicas}
+              "max_replicas": max_replicas, "reduce_after_steps": list(reduce_after_steps)}
     port = _free_port()
     processes = []
     for joiner in range(joiners):
@@ -132,6 +132,9 @@ def jobs(tmp_path_factory):
     outcome.update(_finish_jobs({"joined": (root / "joined", _start_job(
         context, root / "joined", 2, [[1, 8, "backward"]], min_replicas=2, steps=10,
         joiners=1, max_replicas=3))}))
+    outcome.update(_finish_jobs({"committed": (root / "committed", _start_job(
+        context, root / "committed", 3, [[2, 2, "after_vote"], [1, 4, "after_step"]],
+        min_replicas=1, steps=6, reduce_after_steps=[4]))}))
     return outcome
 
 
@@ -148,6 +151,7 @@ def test_departure_and_two_losses_mid_step_survivors_equal_one_device(jobs):
     result = results[0]
     assert result["steps"] == 8
     assert result["replicas_per_step"] == [4, 3, 3, 2, 2, 2, 2, 1]
+    assert result["tracked"] == 8
     assert [(r[0], r[1], r[2], r[4]) for r in result["recoveries"]] == \
         [(2, [3], 3, True), (2, [2], 2, False), (6, [1], 1, False)]
     for recovery in result["recoveries"]:
@@ -178,11 +182,35 @@ def test_joiner_admitted_at_a_commit_then_a_loss_equal_one_device(jobs):
     assert [(r[0], r[1], r[2]) for r in members["recoveries"]] == [(8, [1], 2)]
     assert "replica(s) [2] admitted (joiner(s) [2]); 3 replica(s) regrouped" in logs[0] \
         or "replica(s) [2] admitted (joiner(s) [2]); 3 replica(s) regrouped" in logs[1]
+    # The tracker's BatchNorm ran in step 8's forward before the loss broke the step: put
+    # back with the step, its count is one per step (the joiner's received at admission).
+    assert members["tracked"] == joiner["tracked"] == 10
     expected = _one_device(10, 6)
     for got, theirs, want in zip(members["params"], joiner["params"], expected):
         torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want,
                                    rtol=0, atol=1e-6)
         assert got == theirs
+
+
+def test_killed_between_vote_and_optimizer_step_or_after_commit_step_applied_once(jobs):
+    codes, logs, results = jobs["committed"]
+    # 3 replicas, a commit every step (the vote in the optimizer's step pre-hook). Step 2:
+    # replica 2 votes (the step commits) and is SIGKILLed before its optimizer steps;
+    # replicas 0 and 1 apply step 2 and fail in step 3's gradient all-reduce: step 3 is
+    # undone (only its buffers and gradients: no optimizer stepped) and redone by 2.
+    # Step 4: replica 1 SIGKILLed after its optimizer step; replica 0 committed step 4 and
+    # fails in the all-reduce after its optimizer step: step 4 is not redone.
+    assert codes == [0, -signal.SIGKILL, -signal.SIGKILL], logs[0][-3000:]
+    result = results[0]
+    assert result["steps"] == 6
+    assert result["replicas_per_step"] == [3, 3, 3, 2, 1, 1]
+    assert [(r[0], r[1], r[2]) for r in result["recoveries"]] == [(3, [2], 2), (5, [1], 1)]
+    assert "step 4 committed, then a collective after its optimizer step broke" in logs[0]
+    assert "votes after its steps" not in logs[0]
+    assert result["tracked"] == 6
+    for got, want in zip(result["params"], _one_device(6, 6)):
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want,
+                                   rtol=0, atol=1e-6)
 
 
 def test_chief_lost_ends_survivor_with_42(jobs):
@@ -288,6 +316,7 @@ def test_a_machine_lost_on_a_cluster_of_two_machines(tmp_path):
         assert codes[:2] == [0, 0], "\n\n".join(log[-2000:] for log in logs)
         result = json.loads((out / "rank0.json").read_text())
         assert result["replicas_per_step"] == [4, 4, 4, 2, 2, 2]
+        assert result["tracked"] == 6
         assert [(r[0], sorted(r[1]), r[2]) for r in result["recoveries"]] == [(3, [2, 3], 2)]
         other = json.loads((out / "rank1.json").read_text())
         for got, mirror, want in zip(result["params"], other["params"], _one_device(6, 12)):

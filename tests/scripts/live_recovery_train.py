@@ -8,9 +8,16 @@ job's store address for a process that joins it, started without a launcher's va
 and ``kills``:
 ``[[rank, step, where], ...]``, where ``where`` is ``"backward"`` (SIGKILL between the
 forward and the backward: the others wait in the gradient all-reduce) or ``"after_step"``
-(SIGKILL after the optimizer stepped, before the replica's vote) or ``"sigterm"`` (a
-SIGTERM to itself during the step: it leaves the job at the next commit). Each surviving replica
-writes ``out/rank<R>.json``: its final fp64 parameters, the recoveries, the step count.
+(SIGKILL after the optimizer stepped; with a commit every step, after the vote) or
+``"after_vote"`` (SIGKILL in an optimizer step pre-hook that runs after live recovery's:
+the replica voted, the step committed, its optimizer did not step) or ``"sigterm"`` (a
+SIGTERM to itself during the step: it leaves the job at the next commit);
+``reduce_after_steps`` (optional): the steps whose function ends with an all-reduce of the
+loss after the optimizer step (a collective after the commit). Each step also runs a
+BatchNorm (``tracker``, given to LiveRecovery, not part of the model's output) whose
+``num_batches_tracked`` counts the forward passes a replica kept: a step undone and
+redone must count once. Each surviving replica writes ``out/rank<R>.json``: its final fp64
+parameters, the recoveries, the step count, the tracker's count.
 """
 import json
 import os
@@ -42,7 +49,12 @@ def main(config):
     strategy = ts.MultiWorkerMirroredStrategy()
     with strategy.scope():
         model, optimizer = model_and_optimizer()
-    recovery = LiveRecovery(strategy, {"model": model, "optimizer": optimizer},
+    # Made outside the scope: its buffers stay this replica's own (a BatchNorm made inside
+    # is averaged over the replicas after each step, a collective after the optimizer step
+    # that would move where the tests' kills break a step).
+    tracker = torch.nn.BatchNorm1d(4, affine=False).double()
+    recovery = LiveRecovery(strategy, {"model": model, "optimizer": optimizer,
+                                       "tracker": tracker},
                             global_batch_size=config["global_batch"],
                             min_replicas=config["min_replicas"],
                             failure_detection_seconds=2.0, recovery_timeout_seconds=30.0,
@@ -55,10 +67,19 @@ def main(config):
     x, y = data(config["steps"], config["global_batch"])
     g = config["global_batch"]
     replicas_per_step = []
+    reduce_after = set(config.get("reduce_after_steps", ()))
+
+    def kill_after_vote(optimizer, args, kwargs):
+        # Runs after live recovery's pre-hook (registered after it): the vote is in.
+        if kills.get((rank, recovery.step)) == "after_vote":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    optimizer.register_step_pre_hook(kill_after_vote)
 
     def train_step(batch):
         xb, yb = batch
         where = kills.get((rank, recovery.step))
+        tracker(xb)
         per_example = (model(xb) - yb).pow(2).squeeze(1)
         loss = ts.compute_average_loss(per_example, global_batch_size=g)
         if where == "backward":
@@ -70,6 +91,8 @@ def main(config):
         optimizer.zero_grad()
         if where == "after_step":
             os.kill(os.getpid(), signal.SIGKILL)
+        if recovery.step in reduce_after:
+            return ts.get_replica_context().all_reduce("sum", loss.detach())
         return loss.detach()
 
     while recovery.step < config["steps"]:
@@ -79,6 +102,7 @@ def main(config):
     recovery.commit()
     result = {"params": [p.detach().tolist() for p in model.parameters()],
               "steps": recovery.step, "replicas_per_step": replicas_per_step,
+              "tracked": int(tracker.num_batches_tracked),
               "recoveries": [[r.step, list(r.lost), r.replicas, r.seconds, r.planned]
                              for r in recovery.recoveries]}
     with open(os.path.join(config["out"], f"rank{rank}.json"), "w") as f:

@@ -3,10 +3,18 @@
 `LiveRecovery` runs each step of a data-parallel job so that the loss of replicas without
 notice (SIGKILL, a crash, a machine gone) costs seconds and changes nothing in the result:
 
-1. every step starts from an in-memory copy of what it changes (`step_snapshot`) and the
-   replicas take their share of the *global* batch (`batch_split`);
-2. after the step, every replica votes in the rendezvous store; the step commits on all
-   replicas or on none (`step_commit`);
+1. the replicas take their share of the *global* batch (`batch_split`);
+2. when the step's first optimizer step is about to run (its gradients summed: a replica
+   that reaches it completed its gradient all-reduce), every replica votes in the
+   rendezvous store, from the optimizers' step pre-hook; the step commits on all replicas
+   or on none (`step_commit`). On "commit" the optimizers step; on "abort" the hook stops
+   the step there, before anything expensive changed, so only what changes before the
+   vote is copied at the start of each step (buffers, gradients present, hyper-parameters,
+   random state: `step_snapshot.StepStart`). Steps that cannot vote there (``commit_every``
+   above 1, a step function that changes parameters without its optimizers or steps one
+   again on new gradients after the vote, and the first step of each step function, where
+   that is found out) copy the whole state instead and vote after the step
+   (`step_snapshot.StepSnapshot`);
 3. when a replica is lost, its collective breaks on the survivors (gloo's connection
    closes at once; at worst the collective timeout), or its heartbeat stops while the
    others wait for its vote (`membership`); the survivors put their state back, close
@@ -50,7 +58,7 @@ from torchstrategy.fault_tolerance.membership import (Heartbeat, StoreLost,
                                                       agree_on_survivors)
 from torchstrategy.fault_tolerance.step_commit import (ABORT, COMMIT, COMMIT_AND_ADMIT,
                                                       COMMIT_AND_LEAVE, StepCommit)
-from torchstrategy.fault_tolerance.step_snapshot import StepSnapshot
+from torchstrategy.fault_tolerance.step_snapshot import StepSnapshot, StepStart
 from torchstrategy.launch import rendezvous
 from torchstrategy.launch import world as world_lib
 from torchstrategy.strategies.base import Strategy
@@ -83,6 +91,29 @@ class Recovery:
     replicas: int
     seconds: float
     planned: bool = False   # the replicas left on a termination notice (none was lost)
+
+
+# How a step function's steps commit (`LiveRecovery._verdicts`): the vote in the first
+# optimizer's step pre-hook with `StepStart`'s copy, or after the step with the full copy.
+_VOTE_IN_STEP = "vote in the optimizer step's pre-hook"
+_VOTE_AFTER_STEP = "vote after the step, against a full copy"
+
+
+class _StepAborted(BaseException):
+    """Raised in an optimizer's step pre-hook when the step's vote is "abort": unwinds the
+    step function out of ``strategy.run`` before any optimizer steps (a BaseException, so
+    that a step function's ``except Exception`` does not stop it)."""
+
+
+def _function_key(fn: Callable[..., Any]) -> str:
+    """A name for a step function that is the same on every replica and for every closure
+    made from the same code (the verdict on how it commits is kept by it)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        code = getattr(getattr(fn, "__func__", None), "__code__", None)
+    if code is not None:
+        return f"{code.co_filename}:{code.co_firstlineno}:{code.co_name}"
+    return f"{type(fn).__module__}.{type(fn).__qualname__}"
 
 
 class LiveRecoveryError(RuntimeError):
@@ -135,11 +166,13 @@ class LiveRecovery:
         while the others wait for it, is taken for lost (heartbeats every 0.2 s).
       recovery_timeout_seconds: bound on the survivors' agreement and on building their new
         group; beyond it the job ends with exit code 42.
-      commit_every: steps per commit. 1 (the default): the state is copied and the
-        replicas vote after every step, and a loss redoes the interrupted step only. k: the
-        copy and the vote every k steps (their cost divided by k); a loss redoes the steps
-        since the last commit (at most k), and `commit` must be called at the end of
-        training and before the state is read.
+      commit_every: steps per commit. 1 (the default): the replicas vote in every step,
+        once its gradients are summed and before its optimizers step (only buffers,
+        gradients present, hyper-parameters and random state are copied), and a loss
+        redoes the interrupted step only. k: the whole state is copied and the replicas
+        vote every k steps (the copy's cost divided by k); a loss redoes the steps since
+        the last commit (at most k), and `commit` must be called at the end of training and
+        before the state is read.
       leave_on_signals: signals (e.g. ``(signal.SIGTERM,)``: a spot notice, the preemption
         of one node) on which this replica leaves the job at the next commit while the
         others go on (a planned departure: nothing is redone); it then exits with 0. Where
@@ -206,6 +239,7 @@ class LiveRecovery:
         self._strategy = strategy
         self._extended = extended
         self._snapshot = StepSnapshot(objects)
+        self._step_start = StepStart(objects)
         self._modules = [o for o in objects.values() if isinstance(o, torch.nn.Module)]
         self._optimizers = [o for o in objects.values()
                             if isinstance(o, torch.optim.Optimizer)]
@@ -224,6 +258,22 @@ class LiveRecovery:
                 commit_every < 1:
             raise ValueError(f"commit_every must be a positive int, got {commit_every!r}.")
         self._commit_every = commit_every
+        # Step function -> how its steps commit (_VOTE_IN_STEP or _VOTE_AFTER_STEP), found
+        # by its first step; the same on every replica (a joiner receives them).
+        self._verdicts: dict[str, str] = {}
+        # The step being run: whether the optimizers' pre-hook votes in it (`_armed`), its
+        # decision once voted, the optimizers stepped since, why it could not vote in the
+        # step (found while probing: the first step of a step function).
+        self._armed = False
+        self._probing = False
+        self._outcome: str | None = None
+        self._leaving = False
+        self._stepped_after_vote: list[torch.optim.Optimizer] = []
+        self._cannot_vote_in_step = ""
+        self._versions_at_start: list[int] = []
+        self._grad_versions_at_vote: list[tuple[int, int]] = []
+        self._hook_handles: list[Any] = []
+        self._departures = ""
         # The signal that asked this replica to leave, once one came.
         self._notice: int | None = None
         self._previous_handlers: dict[int, Any] = {}
@@ -279,6 +329,9 @@ class LiveRecovery:
             rendezvous.connect(world.master_addr, world.master_port, size, timeout),
             self._prefix, self._uid)
         self._commit = self._new_commit()
+        # Registered last: after any hook the optimizer already had (e.g. a strategy's).
+        self._hook_handles = [optimizer.register_step_pre_hook(self._before_optimizer_step)
+                              for optimizer in self._optimizers]
         if leave_on_signals:
             if threading.current_thread() is not threading.main_thread():
                 raise ValueError("leave_on_signals needs the LiveRecovery to be made in the "
@@ -310,10 +363,19 @@ class LiveRecovery:
         `global_batch` (the same global batch on every replica), and returns its result.
 
         With ``commit_every=1`` (the default) the step has committed on every replica when
-        this returns; with ``commit_every=k`` every k-th call commits the k steps since the
-        last commit (call `commit` at the end of training and before reading the state).
-        Steps interrupted by lost replicas are undone and redone among the survivors on the
-        same global batches before this returns.
+        this returns: the replicas voted when its first optimizer step was about to run
+        (or, for a step function that cannot vote there, after it ran). With
+        ``commit_every=k`` every k-th call commits the k steps since the last commit (call
+        `commit` at the end of training and before reading the state). Steps interrupted
+        by lost replicas are undone and redone among the survivors on the same global
+        batches before this returns. A step that committed and then lost a replica in a
+        collective after its optimizers stepped (a metric's all-reduce) is not redone:
+        the survivors regroup and this returns None for it.
+
+        A step function whose optimizers vote in their pre-hook must change the parameters
+        only through the optimizers given to LiveRecovery, once each per step; the first
+        step of each step function checks it (under a full copy of the state), and one that
+        does not keeps voting after the step, against a full copy (logged once).
 
         Raises:
           LiveRecoveryError: a replica's step raised an error of the program (re-raised
@@ -325,6 +387,8 @@ class LiveRecovery:
             result = self._strategy.run(fn, args=(global_batch,))
             self.step += 1
             return result
+        if self._commit_every == 1:
+            return self._run_step(fn, global_batch)
         if not self._window:
             self._snapshot.take()
         self._window.append((fn, global_batch))
@@ -338,6 +402,170 @@ class LiveRecovery:
         if self._store is not None and self._window:
             self._complete(boundary=True)
 
+    # -- commit_every=1: the vote in the optimizers' step pre-hook ----------------------------
+    def _run_step(self, fn: Callable[..., Any], global_batch: Any) -> Any:
+        """Runs one step until it commits (redone among the survivors after a loss) and
+        returns its result; see `run`."""
+        assert self._store is not None
+        key = _function_key(fn)
+        self._window = [(fn, global_batch)]
+        while True:
+            verdict = self._verdicts.get(key)
+            self._probing = verdict is None
+            in_step = verdict != _VOTE_AFTER_STEP
+            full_copy = self._probing or not in_step
+            if full_copy:
+                self._snapshot.take()
+            else:
+                self._step_start.take()
+            if self._probing:
+                self._versions_at_start = [p._version for p in self._step_start.parameters]
+            self._outcome = None
+            self._leaving = False
+            self._stepped_after_vote = []
+            self._cannot_vote_in_step = ""
+            self.step = self._committed
+            comm = self._extended.communicator
+            share = replica_slice(global_batch, comm.rank, comm.world_size,
+                                  self._global_batch_size)
+            failure: BaseException | None = None
+            aborted = False
+            result: Any = None
+            self._armed = in_step
+            try:
+                result = self._strategy.run(fn, args=(share,))
+            except _StepAborted:
+                aborted = True
+            except Exception as error:
+                if not _lost_replica(error):
+                    self._report_error(error)
+                    raise
+                failure = error
+            finally:
+                self._armed = False
+            outcome = ABORT if aborted else self._outcome
+            if outcome is None:
+                # No optimizer stepped in the step (or it votes after the step): vote now.
+                outcome = self._vote(ran=failure is None)
+                if self._probing and failure is None and any(
+                        p._version != v for p, v in zip(self._step_start.parameters,
+                                                        self._versions_at_start)):
+                    self._cannot_vote_in_step = ("it changes parameters without stepping an "
+                                                 "optimizer given to LiveRecovery")
+            if outcome != ABORT:
+                self._committed += 1
+                self._commits += 1
+                self._window = []
+                self.step = self._committed
+                self._settle_verdict(key, in_step)
+                if failure is not None:
+                    self._after_committed_failure(failure, outcome)
+                    return None
+                if outcome == COMMIT_AND_LEAVE:
+                    self._depart(self._departures, self._leaving)
+                elif outcome.startswith(COMMIT_AND_ADMIT):
+                    self._admit(int(outcome[len(COMMIT_AND_ADMIT):]))
+                return result
+            self._check_error_reported()
+            if full_copy:
+                self._snapshot.restore()
+            else:
+                self._step_start.restore()
+            self.step = self._committed
+            self._regroup(failure)
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any,
+                               kwargs: Any) -> None:
+        """The optimizers' step pre-hook: at the first optimizer step of a step (its
+        gradients summed), the vote; "abort" stops the step here (`_StepAborted`)."""
+        del args, kwargs
+        if not self._armed:
+            return None
+        if self._outcome is None:
+            if self._probing and any(p._version != v for p, v in
+                                     zip(self._step_start.parameters,
+                                         self._versions_at_start)):
+                self._cannot_vote_in_step = "it changes parameters before its first " \
+                                            "optimizer step"
+            self._outcome = self._vote(ran=True)
+            if self._outcome == ABORT:
+                raise _StepAborted()
+            if self._probing:
+                self._grad_versions_at_vote = [
+                    (id(p.grad), p.grad._version) if p.grad is not None else (0, -1)
+                    for p in self._step_start.parameters]
+            self._stepped_after_vote = [optimizer]
+            return None
+        if any(o is optimizer for o in self._stepped_after_vote):
+            self._cannot_vote_in_step = "it steps an optimizer more than once"
+        elif self._probing:
+            mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            for param, (grad_id, version) in zip(self._step_start.parameters,
+                                                 self._grad_versions_at_vote):
+                grad = param.grad
+                now = (id(grad), grad._version) if grad is not None else (0, -1)
+                if id(param) in mine and now != (grad_id, version):
+                    self._cannot_vote_in_step = (
+                        "it steps an optimizer on gradients computed after another "
+                        "optimizer stepped")
+                    break
+        self._stepped_after_vote.append(optimizer)
+        return None
+
+    def _settle_verdict(self, key: str, in_step: bool) -> None:
+        """After a committed step: how the steps of its function commit from now on."""
+        if not in_step or (not self._probing and not self._cannot_vote_in_step):
+            return
+        if self._cannot_vote_in_step:
+            self._verdicts[key] = _VOTE_AFTER_STEP
+            logger.warning(
+                f"torchstrategy: live recovery: the step function {key.rsplit(':', 1)[-1]!r} "
+                f"votes after its steps, against a full copy of the state taken before each "
+                f"one ({self._cannot_vote_in_step}): that copy costs about one pass of the "
+                "optimizer over the state per step. Step each optimizer given to "
+                "LiveRecovery once per step, and change the parameters only through them, "
+                "for the vote before the optimizer step (no copy).")
+        else:
+            self._verdicts[key] = _VOTE_IN_STEP
+
+    def _after_committed_failure(self, failure: BaseException, outcome: str) -> None:
+        """A step committed (its optimizers stepped), then a collective after them broke:
+        nothing to redo; the survivors regroup (a replica leaving at this commit leaves)."""
+        self._check_error_reported()
+        if outcome == COMMIT_AND_LEAVE and self._leaving:
+            logger.warning(f"torchstrategy: live recovery: replica {self._uid} leaves the "
+                           f"job after step {self._committed - 1} (termination notice).")
+            self._close()
+            runtime.current().abandon_process_group()
+            raise SystemExit(0)
+        if self._extended.communicator.rank == 0:
+            logger.warning(
+                f"torchstrategy: live recovery: step {self._committed - 1} committed, then a "
+                f"collective after its optimizer step broke "
+                f"({str(failure).splitlines()[0][:160]}); it is not redone (its result is "
+                "None).")
+        self._regroup(failure)
+
+    def _vote(self, ran: bool) -> str:
+        """This replica's vote on the step (or the steps since the last commit): `ran`,
+        whether it ran to the vote; returns the decision (see `StepCommit.decide`)."""
+        assert self._store is not None
+        notice = self._notice
+        leaving = ran and notice is not None
+        self._departures = f"{self._prefix}gen{self._generation}/commit{self._commits}/leaving/"
+        try:
+            if leaving and notice is not None:
+                self._store.set(f"{self._departures}{self._uid}", signal.Signals(notice).name)
+            outcome = self._commit.decide(
+                self._commits, ran, leaving,
+                self._admitted if len(self._members) < self._max_replicas else None)
+        except (StoreLost, RuntimeError) as error:
+            self._give_up(f"the rendezvous store stopped answering ({error}): the chief, "
+                          "whose machine hosts it, is lost")
+        self._leaving = leaving
+        return outcome
+
+    # -- commit_every=k: the vote after k steps, against a full copy ------------------------
     def _complete(self, boundary: bool) -> Any:
         """Runs the last step of the window (all of it again after a recovery) and, at a
         `boundary` or after a failure, the vote; returns the last step's result."""
@@ -365,24 +593,13 @@ class LiveRecovery:
                 self.step = self._committed + len(self._window)
                 if not boundary:
                     return result
-            notice = self._notice
-            leaving = failure is None and notice is not None
-            departures = f"{self._prefix}gen{self._generation}/commit{self._commits}/leaving/"
-            try:
-                if leaving and notice is not None:
-                    self._store.set(f"{departures}{self._uid}", signal.Signals(notice).name)
-                outcome = self._commit.decide(
-                    self._commits, failure is None, leaving,
-                    self._admitted if len(self._members) < self._max_replicas else None)
-            except (StoreLost, RuntimeError) as error:
-                self._give_up(f"the rendezvous store stopped answering ({error}): the chief, "
-                              "whose machine hosts it, is lost")
+            outcome = self._vote(ran=failure is None)
             if outcome in (COMMIT, COMMIT_AND_LEAVE) or outcome.startswith(COMMIT_AND_ADMIT):
                 self._committed += len(self._window)
                 self._commits += 1
                 self._window = []
                 if outcome == COMMIT_AND_LEAVE:
-                    self._depart(departures, leaving)
+                    self._depart(self._departures, self._leaving)
                 elif outcome.startswith(COMMIT_AND_ADMIT):
                     self._admit(int(outcome[len(COMMIT_AND_ADMIT):]))
                 return result
@@ -463,10 +680,11 @@ class LiveRecovery:
             if comm.rank != 0:
                 optimizer.load_state_dict(state)
         counters = comm.broadcast_object(
-            (self._committed, self._commits, torch.get_rng_state()) if comm.rank == 0
-            else None)
+            (self._committed, self._commits, torch.get_rng_state(), self._verdicts)
+            if comm.rank == 0 else None)
         if self._uid in self._joined_now:
-            self._committed, self._commits, rng = counters
+            self._committed, self._commits, rng, verdicts = counters
+            self._verdicts = dict(verdicts)
             self.step = self._committed
             torch.set_rng_state(rng)
         self._joined_now = []
@@ -594,6 +812,9 @@ class LiveRecovery:
         """Stops the heartbeat and gives the signals their handlers back; this replica takes
         no further part (nothing to wait for at exit)."""
         self._ended = True
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
         if self._heartbeat is not None:
             self._heartbeat.stop()
         for signum, handler in self._previous_handlers.items():

@@ -1,15 +1,24 @@
 """What a step changes, kept in memory so that a step that did not commit can be undone.
 
-Live recovery commits a step on every replica or on none: a replica whose step ran to the
-end (its optimizer stepped) while another died must be able to go back to where the step
-began, and redo it with the survivors. `StepSnapshot` keeps, at the start of each step,
-copies of what a training step changes: parameters, buffers and their gradients, the
-optimizers' state and hyper-parameters, and the random generators' states. Horovod
-elastic keeps the same kind of in-memory copy (its ``state.commit()``), every few steps;
-here it is taken every step, so no committed step is ever redone.
+Live recovery commits a step on every replica or on none, and undoes on the survivors a
+step that did not commit before they redo it. Two copies serve it:
 
-The copies go into buffers allocated once and overwritten in place (`Tensor.copy_`), so
-a step pays one memory copy of its state and no allocation.
+- `StepStart`, the copy taken before every step by default: live recovery votes in the
+  first optimizer's step pre-hook, after the gradients were summed and *before* any
+  optimizer changes anything, so the parameters and the optimizer state never need a
+  copy. What a step changes before that point is small and copied here: the modules'
+  buffers (BatchNorm's running statistics and counters), the gradients present when the
+  step starts (gradient accumulation across steps; none in a loop that clears them after
+  the optimizer step), the optimizers' hyper-parameters, and the random generators.
+- `StepSnapshot`, the full copy (parameters, buffers, gradients, optimizer state and
+  hyper-parameters, random generators), for the steps that cannot vote before their
+  optimizers step: ``commit_every=k`` (several steps under one vote), a step function that
+  changes parameters without a given optimizer, or that steps an optimizer again after new
+  gradients once it voted; and for the first step of each step function (where that is
+  found out). Horovod elastic keeps the same kind of copy (its ``state.commit()``).
+
+Both copy into buffers allocated once and overwritten in place (`Tensor.copy_`): no
+allocation per step.
 """
 from __future__ import annotations
 
@@ -128,6 +137,108 @@ class StepSnapshot:
                             live[key] = copy.deepcopy(value)
                 for group, saved_group in zip(optimizer.param_groups, hyper):
                     group.update(copy.deepcopy(saved_group))
+        if self._rng is not None:
+            torch.set_rng_state(self._rng)
+        if self._cuda_rng is not None:
+            torch.cuda.set_rng_state(self._cuda_rng)
+
+
+class StepStart:
+    """What a step changes before its first optimizer step, for the modules and optimizers
+    of `objects` (by name): copied by `take` at the start of each step, put back by
+    `restore` when the step did not commit.
+
+    Guarantees: after ``restore()`` every module buffer holds what it held at the last
+    ``take()``, every gradient of the modules' and optimizers' parameters is what it was
+    then (None if it was None: the gradients a step computed are discarded), every
+    optimizer hyper-parameter is back, and so are torch's CPU (and current CUDA device's)
+    random generator. Parameters and optimizer state are *not* copied: the caller
+    guarantees that no optimizer stepped (live recovery votes in the optimizers' step
+    pre-hook, and a vote that does not commit stops the step there).
+
+    Cost: one copy of the buffers and of the gradients present at the start (none after
+    ``optimizer.zero_grad()``, which sets them to None), a few small dictionaries, and the
+    random generators' states.
+
+    Raises:
+      TypeError: an object that is neither a `torch.nn.Module` nor a
+        `torch.optim.Optimizer`.
+    """
+
+    def __init__(self, objects: Mapping[str, Any]) -> None:
+        self._buffers: list[torch.Tensor] = []
+        self._params: list[torch.Tensor] = []
+        self._optimizers: list[torch.optim.Optimizer] = []
+        seen: module_state.IdentityMap[torch.Tensor, bool] = module_state.IdentityMap()
+        for name, obj in objects.items():
+            if isinstance(obj, torch.nn.Module):
+                self._buffers.extend(obj.buffers())
+                params = list(obj.parameters())
+            elif isinstance(obj, torch.optim.Optimizer):
+                self._optimizers.append(obj)
+                params = [p for group in obj.param_groups for p in group["params"]]
+            else:
+                raise TypeError(
+                    f"live recovery keeps the state of modules and optimizers; {name!r} is "
+                    f"a {type(obj).__name__}. Pass the model(s) and optimizer(s) the step "
+                    "changes (state the step does not change needs no copy).")
+            for param in params:
+                if seen.get(param) is None:
+                    seen[param] = True
+                    self._params.append(param)
+        self._buffer_copies: list[torch.Tensor] = [
+            torch.empty_like(b, memory_format=torch.preserve_format) for b in self._buffers]
+        self._grad_copies: module_state.IdentityMap[torch.Tensor, torch.Tensor] = \
+            module_state.IdentityMap()
+        self._grads: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._hyper: list[list[dict[str, Any]]] = []
+        self._rng: torch.Tensor | None = None
+        self._cuda_rng: torch.Tensor | None = None
+
+    @property
+    def parameters(self) -> list[torch.Tensor]:
+        """The parameters of the modules and optimizers (each once)."""
+        return self._params
+
+    def take(self) -> None:
+        """Copies the state a step changes before its optimizers step, as it is now."""
+        with torch.no_grad():
+            for buffer, saved in zip(self._buffers, self._buffer_copies):
+                saved.copy_(buffer)
+            self._grads = []
+            for param in self._params:
+                grad = param.grad
+                if grad is None:
+                    continue
+                saved = self._grad_copies.get(param)
+                if saved is None or saved.shape != grad.shape or saved.dtype != grad.dtype:
+                    saved = torch.empty_like(grad)
+                    self._grad_copies[param] = saved
+                # A gradient is a view into the reducer's bucket, rewritten by the next
+                # backward: its values are copied, not the tensor kept.
+                saved.copy_(grad)
+                self._grads.append((param, saved))
+        self._hyper = [[{key: value.clone() if isinstance(value, torch.Tensor) else value
+                         for key, value in group.items() if key != "params"}
+                        for group in optimizer.param_groups]
+                       for optimizer in self._optimizers]
+        self._rng = torch.get_rng_state()
+        self._cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() and \
+            torch.cuda.is_initialized() else None
+
+    def restore(self) -> None:
+        """Puts back what `take` copied (see the class docstring)."""
+        with torch.no_grad():
+            for buffer, saved in zip(self._buffers, self._buffer_copies):
+                buffer.copy_(saved)
+            for param in self._params:
+                param.grad = None
+            for param, grad in self._grads:
+                param.grad = grad.clone()
+        for optimizer, hyper in zip(self._optimizers, self._hyper):
+            for group, saved_group in zip(optimizer.param_groups, hyper):
+                group.update({key: value.clone() if isinstance(value, torch.Tensor)
+                              else value for key, value in saved_group.items()})
         if self._rng is not None:
             torch.set_rng_state(self._rng)
         if self._cuda_rng is not None:
