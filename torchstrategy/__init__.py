@@ -29,7 +29,7 @@ from torchstrategy.communication_options import (CommunicationImplementation,
                                                  CommunicationOptions)
 from torchstrategy.collectives.cross_device_ops import (CrossDeviceOps, NcclAllReduce,
                                                         ReductionToOneDevice)
-from torchstrategy.collectives.compression import Int8, OneBitAdam, PowerSGD
+from torchstrategy.collectives.compression import AutoCompression, Int8, OneBitAdam, PowerSGD
 from torchstrategy.collectives.autotune import AutotuneResult, BucketAutotuner
 from torchstrategy.context import (experimental_set_strategy, get_cross_replica_context,
                                    get_replica_context, get_strategy, has_strategy,
@@ -77,6 +77,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'torchstrategy' has no attribute {name!r}")
 
 __all__ = [  # one name a line, sorted: adding a name touches one line
+    "AutoCompression",
     "AutotuneResult",
     "BackupAndRestore",
     "BackupAndRestoreCallback",

@@ -218,23 +218,105 @@ class OneBitAdam(ErrorFeedback):
                 "block_size": self.block_size}
 
 
-Compression = Union[str, ErrorFeedback, None]
+#: A mode `AutoCompression` may choose: None, a wire dtype, `PowerSGD` or `Int8`.
+Candidate = Union[str, ErrorFeedback, None]
+
+
+class AutoCompression:
+    """``compression="auto"``: the gradient reducer picks its compression itself, from
+    measurements, at the start of training (and again on a regrouped world).
+
+    The first `measure_steps` + 1 synchronised steps run uncompressed (bit for bit the
+    default reduction). At the end of the last of them every replica times a short
+    all-reduce (the link) and a memory copy (its core), and the replicas agree on the
+    figures (the slowest replica's); each then predicts the step time of every candidate
+    for this model's gradients (`torchstrategy.collectives.auto_compression`) and keeps
+    the fastest, which must beat the uncompressed step by `min_gain` (a fraction of it)
+    to be chosen over it. Every replica computes the same choice from the same figures.
+
+    Args:
+      candidates: the modes to choose from: None (uncompressed), "bf16" / "fp16",
+        ``ts.Int8(...)``, ``ts.PowerSGD(...)``. The default, ``(None, "bf16",
+        ts.Int8())``, holds the modes that cost no measurable accuracy with any optimizer
+        (docs/gradient_reduction.md's convergence table). Add ``ts.PowerSGD(rank=4)`` only
+        when training with SGD-type optimizers: with AdamW it ends about 6 % higher in
+        loss. ``ts.OneBitAdam`` cannot be a candidate: it changes what ``.grad`` holds
+        and needs ``ts.OneBitAdamW`` as the optimizer, so it is never switched on behind
+        the user's back.
+      measure_steps: uncompressed steps timed (after the first, which lays the buckets
+        out); the fastest counts.
+      min_gain: a compressed mode is chosen only if its predicted step is at least this
+        fraction shorter than the measured uncompressed one (guards against noise:
+        compression is an approximation, worth it only where it clearly pays).
+
+    Raises:
+      ValueError: a candidate of another kind, an empty or repeated list, `measure_steps`
+        < 1, `min_gain` outside [0, 1).
+    """
+
+    def __init__(self, candidates: tuple[Candidate, ...] = (None, "bf16", Int8()),
+                 measure_steps: int = 2, min_gain: float = 0.1) -> None:
+        candidates = tuple(candidates)
+        for c in candidates:
+            if not (c is None or isinstance(c, (PowerSGD, Int8)) or
+                    (isinstance(c, str) and c in _WIRE_DTYPES)):
+                raise ValueError(
+                    f"AutoCompression candidates must be None, 'bf16', 'fp16', ts.Int8(...) "
+                    f"or ts.PowerSGD(...), got {c!r}"
+                    + (" (ts.OneBitAdam needs ts.OneBitAdamW as the optimizer: set it "
+                       "explicitly, compression=ts.OneBitAdam())"
+                       if isinstance(c, OneBitAdam) else "") + ".")
+        if not candidates or len(set(candidates)) != len(candidates):
+            raise ValueError(f"AutoCompression candidates must be distinct and at least one, "
+                             f"got {candidates!r}.")
+        self.candidates = candidates
+        self.measure_steps = _check_int("AutoCompression measure_steps", measure_steps, 1,
+                                        "uncompressed steps timed")
+        if isinstance(min_gain, bool) or not isinstance(min_gain, (int, float)) or \
+                not 0.0 <= min_gain < 1.0:
+            raise ValueError(f"AutoCompression min_gain must be a number in [0, 1) (the "
+                             f"fraction of the step a compressed mode must save), got "
+                             f"{min_gain!r}.")
+        self.min_gain = float(min_gain)
+
+    def _settings(self) -> dict[str, Any]:
+        return {"candidates": self.candidates, "measure_steps": self.measure_steps,
+                "min_gain": self.min_gain}
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and \
+            self._settings() == other._settings()
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self.candidates, self.measure_steps,
+                     self.min_gain))
+
+    def __repr__(self) -> str:
+        if self == AutoCompression():
+            return "AutoCompression()"
+        args = ", ".join(f"{k}={v!r}" for k, v in self._settings().items())
+        return f"AutoCompression({args})"
+
+
+Compression = Union[str, ErrorFeedback, AutoCompression, None]
 
 
 def check_compression(compression: Compression) -> Compression:
-    """Returns `compression` ("bf16", "fp16", a `PowerSGD` / `Int8` / `OneBitAdam`, or
-    None) after checking it.
+    """Returns `compression` ("bf16", "fp16", a `PowerSGD` / `Int8` / `OneBitAdam`, an
+    `AutoCompression`, or None) after checking it; "auto" becomes ``AutoCompression()``.
 
     Raises:
       ValueError: any other value, naming the accepted ones.
     """
-    if compression is None or isinstance(compression, ErrorFeedback) or \
+    if compression == "auto":
+        return AutoCompression()
+    if compression is None or isinstance(compression, (ErrorFeedback, AutoCompression)) or \
             (isinstance(compression, str) and compression in _WIRE_DTYPES):
         return compression
-    raise ValueError(f"compression must be None, 'bf16' or 'fp16' (a wire dtype), or "
+    raise ValueError(f"compression must be None, 'bf16' or 'fp16' (a wire dtype), "
                      f"ts.PowerSGD(rank=...) / ts.Int8() / ts.OneBitAdam() (error "
-                     f"feedback), got "
-                     f"{compression!r}.")
+                     f"feedback), or 'auto' / ts.AutoCompression(...) (chosen from "
+                     f"measurements), got {compression!r}.")
 
 
 def wire_dtype(compression: Compression, dtype: torch.dtype) -> torch.dtype | None:
@@ -275,9 +357,22 @@ def check_runs_error_feedback(cross_device_ops: Any, compression: Compression) -
     replace: it runs its own collectives (all-reduces of P and Q, gathers of int8 levels)
     over the process group, which only ``ts.NcclAllReduce`` (the default) agrees to.
 
+    An `AutoCompression` that may choose an error-feedback mode is refused alike.
+
     Raises:
       ValueError: naming the cross-device ops and what to use instead.
     """
+    may_choose = isinstance(compression, AutoCompression) and \
+        any(isinstance(c, ErrorFeedback) for c in compression.candidates)
+    if may_choose and (not getattr(cross_device_ops, "runs_error_feedback", False) or
+                       getattr(cross_device_ops, "num_packs", 1) != 1):
+        raise ValueError(
+            f"compression={compression!r} cannot run with cross_device_ops="
+            f"{cross_device_ops!r}: it may choose error-feedback compression (ts.Int8, "
+            "ts.PowerSGD), which runs its own collectives over the process group in place "
+            "of that algorithm and does not split buffers into packs. Use the default "
+            "ts.NcclAllReduce() with num_packs=1, or let it choose between the wire "
+            "dtypes only: ts.AutoCompression(candidates=(None, 'bf16')).")
     if isinstance(compression, ErrorFeedback) and \
             not getattr(cross_device_ops, "runs_error_feedback", False):
         raise ValueError(

@@ -83,9 +83,10 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from torchstrategy import _compat, _ops, module_state, runtime
+from torchstrategy.collectives.auto_compression import AutoChoice, AutoCompressionProbe
 from torchstrategy.collectives.communicator import Communicator, explained_failures
-from torchstrategy.collectives.compression import (ErrorFeedback, GradBucket,
-                                                   check_runs_error_feedback)
+from torchstrategy.collectives.compression import (AutoCompression, Compression, ErrorFeedback,
+                                                   GradBucket, check_runs_error_feedback)
 from torchstrategy.collectives.cross_device_ops import CrossDeviceOps, NcclAllReduce, Pending
 from torchstrategy.collectives.error_feedback import ErrorFeedbackStage
 from torchstrategy.collectives.stats import ReductionStats
@@ -137,7 +138,17 @@ class GradientReducer:
         # none can be mistaken for another).
         self._index: module_state.IdentityMap[torch.Tensor, int] = module_state.IdentityMap()
         cross_device_ops = communicator.cross_device_ops
-        self._compression = getattr(cross_device_ops, "compression", None)
+        self._compression: Compression = getattr(cross_device_ops, "compression", None)
+        # compression="auto": the first steps run uncompressed while the probe times them,
+        # then `_use_compression` switches to the mode it chose (auto_compression.py).
+        self._auto: AutoCompressionProbe | None = None
+        if isinstance(self._compression, AutoCompression):
+            check_runs_error_feedback(cross_device_ops, self._compression)
+            self._auto = AutoCompressionProbe(self._compression, communicator)
+            self._compression = None
+        # A state loaded under "auto" before the choice: applied if the choice is the
+        # mode that saved it (`_use_compression`).
+        self._pending_state: dict[str, Any] | None = None
         # The stage that reduces a full bucket when the core does not launch it on the
         # process group itself: error-feedback compression, or the algorithm's Python
         # all_reduce_async.
@@ -156,7 +167,6 @@ class GradientReducer:
         self._sum_flags: Callable[[torch.Tensor], Pending] = \
             lambda flags: cross_device_ops.all_reduce_async(flags, communicator.group)
         self._layout: list[_CoreBucket] = []     # the core's buckets, in launch order
-        wire = self._compression if isinstance(self._compression, str) else ""
         this = weakref.ref(self)   # the C++ reducer must not keep this object alive
 
         def finalize() -> None:
@@ -171,26 +181,59 @@ class GradientReducer:
                                    "reducer was garbage-collected.")
             return reducer._launch_bucket(index, buffer)
 
-        make = lambda process_group, cap=bucket_cap_bytes, first=first_bucket_bytes: \
-            _ops.make_reducer(int(cap), int(first), communicator.world_size, wire,
-                              process_group, launch_bucket, finalize)
-        process_group = None if self._error_feedback is not None else \
-            _process_group_for_cpp(cross_device_ops, communicator.group)
-        try:
-            self._core: Any = make(process_group)  # torchstrategy._C.Reducer; None once closed
-        except (RuntimeError, TypeError):  # a process group C++ cannot take: via Python
-            process_group = None
-            self._core = make(None)
-        # `rebucket` builds another core the same way (autotune.py's search). Its closure
-        # holds the process group as the core does: `close` drops both.
-        self._make_core: Callable[[int, int], Any] | None = \
-            lambda cap, first: make(process_group, cap, first)
+        def make(process_group: Any, wire: str, cap: int, first: int) -> Any:
+            return _ops.make_reducer(cap, first, communicator.world_size, wire,
+                                     process_group, launch_bucket, finalize)
+
+        # `rebucket` (autotune.py's search) and `_use_compression` ("auto") build other
+        # cores the same way; `close` drops it with the core.
+        self._make_core: Callable[[Any, str, int, int], Any] | None = make
+        self._core: Any = None    # torchstrategy._C.Reducer; None once closed
+        self._core = self._new_core(int(bucket_cap_bytes), int(first_bucket_bytes))
         self._first_cap = int(first_bucket_bytes)
         # True from a registration until the synchronised backward that shows the order
         # gradients arrive in (the buckets are then rebuilt in that order).
         self._awaiting_arrival = False
         self._earlier_steps = 0   # synchronised steps of cores `rebucket` replaced
         self._after_sync: list[Callable[[], None]] = []
+        if self._auto is not None:
+            self._after_sync.append(self._auto_step)
+
+    def _new_core(self, cap: int, first: int) -> Any:
+        """A C++ core with these caps for the current compression: launching buckets on the
+        c10d process group itself where it can (the default algorithm, no error
+        feedback), else through `_launch_bucket`.
+
+        Raises:
+          RuntimeError: the reducer was closed.
+        """
+        make = self._make_core
+        if make is None:
+            raise RuntimeError("this gradient reducer was closed (its process group was "
+                               "released at exit); it reduces nothing any more.")
+        wire = self._compression if isinstance(self._compression, str) else ""
+        process_group = None if self._error_feedback is not None else \
+            _process_group_for_cpp(self._comm.cross_device_ops, self._comm.group)
+        if process_group is not None:
+            try:
+                return make(process_group, wire, cap, first)
+            except (RuntimeError, TypeError):  # a process group C++ cannot take: via Python
+                pass
+        return make(None, wire, cap, first)
+
+    def _replace_core(self, core: Any) -> None:
+        """Moves the registered parameters, the bucket order and the sync state onto
+        `core` (made by `_new_core`), between backward passes."""
+        old = self._core
+        if self._params:
+            core.add_parameters(self._params)
+        core.set_sync(old.sync())
+        self._earlier_steps += old.stats()[3]
+        self._core = core
+        if self._params:
+            self._build(old.bucket_order())
+            if self._awaiting_arrival:   # the rebuild in arrival order is still to come
+                core.start_recording()
 
     def close(self) -> None:
         """Drops the C++ core (and with it its reference to the process group); called by
@@ -257,20 +300,54 @@ class GradientReducer:
         if bucket_cap_bytes <= 0 or first <= 0:
             raise ValueError(f"rebucket: caps must be positive, got bucket_cap_bytes="
                              f"{bucket_cap_bytes}, first_bucket_bytes={first_bucket_bytes}.")
-        old = self._core
-        if old is None or self._make_core is None:
+        if self._core is None or self._make_core is None:
             raise RuntimeError("rebucket: this reducer was closed (its process group was "
                                "released at exit); it reduces nothing any more.")
-        core = self._make_core(int(bucket_cap_bytes), first)
-        if self._params:
-            core.add_parameters(self._params)
-        core.set_sync(old.sync())
-        self._earlier_steps += old.stats()[3]
-        self._core, self._cap, self._first_cap = core, int(bucket_cap_bytes), first
-        if self._params:
-            self._build(old.bucket_order())
-            if self._awaiting_arrival:   # the rebuild in arrival order is still to come
-                core.start_recording()
+        self._replace_core(self._new_core(int(bucket_cap_bytes), first))
+        self._cap, self._first_cap = int(bucket_cap_bytes), first
+
+    # -- compression="auto" -------------------------------------------------------------
+    @property
+    def auto_compression(self) -> AutoChoice | None:
+        """Under ``compression="auto"``, the `AutoChoice` made (the mode, the predicted
+        steps and the figures measured); None before it is made and without "auto"."""
+        return None if self._auto is None else self._auto.choice
+
+    def _auto_step(self) -> None:
+        """At the end of a synchronised backward under "auto": the probe's step; once it
+        has chosen, the reducer switches to the chosen mode (on every replica at the same
+        step: the probe's figures are agreed)."""
+        if self._auto is None or self._auto.choice is not None:
+            return
+        exposed = float(self._core.stats()[2])
+        choice = self._auto.on_synced_step(exposed, self._params, len(self._layout))
+        if choice is not None and choice.compression is not None:
+            self._use_compression(choice.compression)
+
+    def _use_compression(self, compression: Compression) -> None:
+        """Switches the reduction to `compression` (None, a wire dtype, `ts.Int8` or
+        `ts.PowerSGD`) between backward passes, with the same buckets; error feedback
+        starts from zero residuals. Every replica must switch at the same step."""
+        self._compression = compression
+        cross_device_ops, group = self._comm.cross_device_ops, self._comm.group
+        if isinstance(compression, ErrorFeedback):
+            check_runs_error_feedback(cross_device_ops, compression)
+            self._error_feedback = ErrorFeedbackStage(compression, group)
+            self._stage = self._error_feedback.launch
+        else:
+            self._error_feedback = None
+            self._stage = lambda bucket: cross_device_ops.all_reduce_async(bucket.buffer,
+                                                                           group)
+        self._replace_core(self._new_core(self._cap, self._first_cap))
+        pending, self._pending_state = self._pending_state, None
+        if pending and self._error_feedback is not None:
+            try:
+                self.load_state_dict(pending)
+            except ValueError as saved_by_another:
+                if self._comm.rank == 0:
+                    logger.warning(f"torchstrategy: compression='auto' chose {compression!r}; "
+                                   f"the error-feedback state loaded before was not its "
+                                   f"own ({saved_by_another}): residuals start from zero.")
 
     def on_synced_step(self, callback: Callable[[], None]) -> None:
         """Calls `callback()` at the end of every synchronised backward, after the
@@ -394,6 +471,10 @@ class GradientReducer:
             not a reducer's, or one saved under another compression.
         """
         if self._error_feedback is None:
+            if state and self._auto is not None and self._auto.choice is None:
+                # "auto" has not chosen yet: kept for the mode it will choose.
+                self._pending_state = state
+                return
             if state:
                 raise ValueError("This gradient reducer runs no error-feedback compression; "
                                  "its state_dict is empty. Create the strategy with "
