@@ -5,13 +5,17 @@ One run starts ``--replicas`` processes (gloo, CPU, loopback; each given a launc
 variables, rank 0 serving the rendezvous store) that train an MLP whose training state
 (parameters, gradients, SGD momentum) is about ``--state-mb`` MiB:
 
-1. **Per-step cost.** In the same processes, blocks of ``--block`` steps alternate between
-   ``strategy.run(step, args=(share,))``, ``recovery.run(step, global_batch)`` (a commit
-   every step) and the same with ``commit_every=--commit-every``, for ``--rounds`` rounds
-   (the order rotates each round); the median step time of each, its spread
-   (interquartile range) and the overhead in percent are printed. The overhead is the
-   in-memory copy of the state and the commit vote (a store ``add`` and ``wait``), once
-   per commit.
+1. **Per-step cost.** In the same processes, ``--rounds`` x ``--block`` iterations each run
+   one step of each kind, in an order that rotates: ``strategy.run(step, args=(share,))``,
+   ``recovery.run(step, global_batch)`` (a commit every step) and the same with
+   ``commit_every=--commit-every``; the median step time of each, its spread
+   (interquartile range) and the overhead in percent are printed, twice: median over
+   median, and paired (the median, and IQR, of each step's ratio to the ``strategy.run``
+   step of the same iteration, which ran under the same load). With a commit
+   every step the replicas vote in the optimizer's step pre-hook and copy only buffers,
+   gradients present and random state; with ``commit_every=k`` they copy the whole state
+   and vote every k steps. The vote's own time (`StepCommit.decide`: a store ``add``,
+   then ``wait`` + ``get`` or ``compare_set``) is printed too. ``--cost-only`` stops here.
 2. **Recovery.** Replica ``replicas - 1`` then SIGKILLs itself between forward and backward;
    the survivors recover and go on. Printed: the seconds from the kill (its time written to
    a file just before) to the next committed step on replica 0, and the recovery's own
@@ -67,7 +71,21 @@ def _worker(config: dict) -> None:
     import torchstrategy as ts
     from torchstrategy.fault_tolerance.live_recovery import LiveRecovery
 
+    from torchstrategy.fault_tolerance import step_commit
+
     joining = config.get("join") is not None
+    # The vote's time, measured around each call (this process's votes only).
+    vote_seconds: list[float] = []
+    decide = step_commit.StepCommit.decide
+
+    def timed_decide(self: step_commit.StepCommit, *args: object, **kwargs: object) -> str:
+        start = time.perf_counter()
+        try:
+            return decide(self, *args, **kwargs)  # type: ignore[arg-type]
+        finally:
+            vote_seconds.append(time.perf_counter() - start)
+
+    step_commit.StepCommit.decide = timed_decide  # type: ignore[method-assign]
     strategy = ts.MultiWorkerMirroredStrategy()
     with strategy.scope():
         model = _model(config["state_mb"])
@@ -112,25 +130,42 @@ def _worker(config: dict) -> None:
             recovery.run(step, batches[0])
         return
     times: dict[str, list[float]] = {"plain": [], "live": [], "every_k": []}
+    live_votes: list[float] = []
+    paired: dict[str, list[float]] = {"live": [], "every_k": []}
     comm = strategy.extended.communicator
     kinds = list(times)
     assert every_k is not None
-    for round_index in range(config["rounds"]):
-        order = kinds[round_index % 3:] + kinds[:round_index % 3]
+    for index in range(config["rounds"] * config["block"]):
+        # One step of each kind per iteration, the order rotating: the three steps of an
+        # iteration see the same load, and their ratios pair them.
+        order = kinds[index % 3:] + kinds[:index % 3]
+        x = batches[index % len(batches)]
+        taken = {}
         for kind in order:
-            for i in range(config["block"]):
-                x = batches[i % len(batches)]
-                comm.barrier()
-                start = time.perf_counter()
-                if kind == "plain":
-                    per = g // comm.world_size
-                    strategy.run(step, args=(x[comm.rank * per:(comm.rank + 1) * per],))
-                elif kind == "live":
-                    recovery.run(step, x)
-                else:
-                    every_k.run(step, x)
-                times[kind].append(time.perf_counter() - start)
-            every_k.commit()
+            comm.barrier()
+            start = time.perf_counter()
+            if kind == "plain":
+                per = g // comm.world_size
+                strategy.run(step, args=(x[comm.rank * per:(comm.rank + 1) * per],))
+            elif kind == "live":
+                votes_before = len(vote_seconds)
+                recovery.run(step, x)
+                live_votes.extend(vote_seconds[votes_before:])
+            else:
+                every_k.run(step, x)
+            taken[kind] = time.perf_counter() - start
+        if index >= 3:   # the first iterations warm up (allocations, the probe step)
+            for kind in kinds:
+                times[kind].append(taken[kind])
+            for kind in paired:
+                paired[kind].append(taken[kind] / taken["plain"])
+    every_k.commit()
+    if config["cost_only"]:
+        if rank == 0:
+            with open(config["out"], "w") as f:
+                json.dump({"times": times, "paired": paired, "votes": live_votes}, f)
+        recovery.commit()
+        return
     kill_at = recovery.step + 2
     done_at = None
     while recovery.step < kill_at + 3:
@@ -148,7 +183,8 @@ def _worker(config: dict) -> None:
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
                    config["state_file"])
         with open(config["out"], "w") as f:
-            json.dump({"times": times, "next_step_at": done_at,
+            json.dump({"times": times, "paired": paired, "votes": live_votes,
+                       "next_step_at": done_at,
                        "recovery_seconds": recovery.recoveries[0].seconds}, f)
 
 
@@ -186,6 +222,30 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
     return q[0], statistics.median(values), q[2]
 
 
+def _print_cost(args: argparse.Namespace, live: dict) -> None:
+    plain = _quartiles(live["times"]["plain"])
+    load = os.getloadavg()
+    print(f"{args.replicas} replicas, MLP with {args.state_mb:g} MiB of training state, "
+          f"global batch {args.global_batch}, {args.rounds} rounds of {args.block} steps "
+          f"each, load average {load[0]:.1f} / {load[1]:.1f} (1 / 5 min)")
+    print(f"step, strategy.run:  median {plain[1] * 1e3:.2f} ms (IQR {plain[0] * 1e3:.2f}-"
+          f"{plain[2] * 1e3:.2f})")
+    for kind, name in (("live", "recovery.run, commit every step (vote in the step)"),
+                       ("every_k", f"recovery.run, commit_every={args.commit_every} "
+                                   "(full copy)")):
+        q = _quartiles(live["times"][kind])
+        ratios = _quartiles(live["paired"][kind])
+        print(f"step, {name}: median {q[1] * 1e3:.2f} ms (IQR {q[0] * 1e3:.2f}-"
+              f"{q[2] * 1e3:.2f}); overhead {(q[1] / plain[1] - 1) * 100:+.1f} % median "
+              f"over median, {(ratios[1] - 1) * 100:+.1f} % paired (median of the "
+              f"{len(live['paired'][kind])} steps' ratios to the plain step beside them; "
+              f"IQR {(ratios[0] - 1) * 100:+.1f} to {(ratios[2] - 1) * 100:+.1f} %)")
+    votes = _quartiles(live["votes"])
+    print(f"the vote (StepCommit.decide, replica 0): median {votes[1] * 1e3:.3f} ms (IQR "
+          f"{votes[0] * 1e3:.3f}-{votes[2] * 1e3:.3f}), {votes[1] / plain[1] * 100:.1f} % "
+          "of a step")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, default=3)
@@ -195,6 +255,8 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=10)
     parser.add_argument("--detection", type=float, default=2.0)
     parser.add_argument("--commit-every", type=int, default=10)
+    parser.add_argument("--cost-only", action="store_true",
+                        help="measure the per-step cost only (no loss, joiner, restart)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -204,7 +266,7 @@ def main() -> None:
     config = {"state_mb": args.state_mb, "global_batch": args.global_batch,
               "rounds": args.rounds, "block": args.block, "detection": args.detection,
               "commit_every": args.commit_every, "replicas": args.replicas,
-              "victim": args.replicas - 1, "restart": False,
+              "victim": args.replicas - 1, "restart": False, "cost_only": args.cost_only,
               "kill_file": os.path.join(directory, "killed_at"),
               "state_file": os.path.join(directory, "state.pt"),
               "out": os.path.join(directory, "live.json")}
@@ -212,6 +274,11 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     members = _start(args.replicas, config, port)
+    if args.cost_only:
+        _wait(members, 900)
+        with open(config["out"]) as f:
+            _print_cost(args, json.load(f))
+        return
     # The joiner: a plain process (no launcher's variables), started once the loss
     # happened; from its start to its first step as a replica.
     deadline = time.monotonic() + 600
@@ -236,20 +303,7 @@ def main() -> None:
         live = json.load(f)
     with open(config["kill_file"]) as f:
         killed_at = float(f.read())
-    plain = _quartiles(live["times"]["plain"])
-    recovered = _quartiles(live["times"]["live"])
-    load = os.getloadavg()[0]
-    print(f"{args.replicas} replicas, MLP with {args.state_mb:g} MiB of training state, "
-          f"global batch {args.global_batch}, load average {load:.1f}")
-    print(f"step, strategy.run:  median {plain[1] * 1e3:.2f} ms (IQR {plain[0] * 1e3:.2f}-"
-          f"{plain[2] * 1e3:.2f})")
-    print(f"step, recovery.run: median {recovered[1] * 1e3:.2f} ms (IQR "
-          f"{recovered[0] * 1e3:.2f}-{recovered[2] * 1e3:.2f}); overhead "
-          f"{(recovered[1] / plain[1] - 1) * 100:+.1f} % (median over median)")
-    every_k = _quartiles(live["times"]["every_k"])
-    print(f"step, recovery.run with commit_every={args.commit_every}: median "
-          f"{every_k[1] * 1e3:.2f} ms (IQR {every_k[0] * 1e3:.2f}-{every_k[2] * 1e3:.2f}); "
-          f"overhead {(every_k[1] / plain[1] - 1) * 100:+.1f} %")
+    _print_cost(args, live)
     print(f"loss of replica {args.replicas - 1} -> next completed step: "
           f"{live['next_step_at'] - killed_at:.2f} s (of which agreement + new group: "
           f"{live['recovery_seconds']:.2f} s)")

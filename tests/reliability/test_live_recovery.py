@@ -35,11 +35,13 @@ def _free_port():
 
 
 def _start_job(context, out, replicas, kills, min_replicas, steps, global_batch=6,
-               commit_every=1, joiners=0, max_replicas=None, reduce_after_steps=()):
+               commit_every=1, joiners=0, max_replicas=None, reduce_after_steps=(),
+               decay_steps=()):
     os.makedirs(out, exist_ok=True)
     config = {"out": str(out), "steps": steps, "global_batch": global_batch,
               "min_replicas": min_replicas, "kills": kills, "commit_every": commit_every,
-              "max_replicas": max_replicas, "reduce_after_steps": list(reduce_after_steps)}
+              "max_replicas": max_replicas, "reduce_after_steps": list(reduce_after_steps),
+              "decay_steps": list(decay_steps)}
     port = _free_port()
     processes = []
     for joiner in range(joiners):
@@ -93,10 +95,12 @@ def _finish_jobs(jobs):
     return outcome
 
 
-def _one_device(steps, global_batch):
+def _one_device(steps, global_batch, decay_steps=()):
     model, optimizer = script.model_and_optimizer()
     x, y = script.data(steps, global_batch)
     for s in range(steps):
+        if s in decay_steps:
+            script.decay(model)
         xb, yb = x[s * global_batch:(s + 1) * global_batch], y[s * global_batch:(s + 1) * global_batch]
         (model(xb) - yb).pow(2).mean().backward()
         optimizer.step()
@@ -134,7 +138,7 @@ def jobs(tmp_path_factory):
         joiners=1, max_replicas=3))}))
     outcome.update(_finish_jobs({"committed": (root / "committed", _start_job(
         context, root / "committed", 3, [[2, 2, "after_vote"], [1, 4, "after_step"]],
-        min_replicas=1, steps=6, reduce_after_steps=[4]))}))
+        min_replicas=1, steps=7, reduce_after_steps=[4], decay_steps=[4, 5, 6]))}))
     return outcome
 
 
@@ -199,16 +203,21 @@ def test_killed_between_vote_and_optimizer_step_or_after_commit_step_applied_onc
     # replicas 0 and 1 apply step 2 and fail in step 3's gradient all-reduce: step 3 is
     # undone (only its buffers and gradients: no optimizer stepped) and redone by 2.
     # Step 4: replica 1 SIGKILLed after its optimizer step; replica 0 committed step 4 and
-    # fails in the all-reduce after its optimizer step: step 4 is not redone.
+    # fails in the all-reduce after its optimizer step: step 4 is not redone. Steps 4-6
+    # run a step function that scales the parameters before its optimizer step: its first
+    # step (4) finds that out under a full copy, and its next ones vote after the step.
     assert codes == [0, -signal.SIGKILL, -signal.SIGKILL], logs[0][-3000:]
     result = results[0]
-    assert result["steps"] == 6
-    assert result["replicas_per_step"] == [3, 3, 3, 2, 1, 1]
+    assert result["steps"] == 7
+    assert result["replicas_per_step"] == [3, 3, 3, 2, 1, 1, 1]
     assert [(r[0], r[1], r[2]) for r in result["recoveries"]] == [(3, [2], 2), (5, [1], 1)]
     assert "step 4 committed, then a collective after its optimizer step broke" in logs[0]
-    assert "votes after its steps" not in logs[0]
-    assert result["tracked"] == 6
-    for got, want in zip(result["params"], _one_device(6, 6)):
+    assert "the step function 'decayed_step' votes after its steps, against a full copy " \
+           "of the state taken before each one (it changes parameters before its first " \
+           "optimizer step)" in logs[0]
+    assert "'train_step' votes after" not in logs[0]
+    assert result["tracked"] == 7
+    for got, want in zip(result["params"], _one_device(7, 6, decay_steps=(4, 5, 6))):
         torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want,
                                    rtol=0, atol=1e-6)
 

@@ -13,7 +13,10 @@ forward and the backward: the others wait in the gradient all-reduce) or ``"afte
 the replica voted, the step committed, its optimizer did not step) or ``"sigterm"`` (a
 SIGTERM to itself during the step: it leaves the job at the next commit);
 ``reduce_after_steps`` (optional): the steps whose function ends with an all-reduce of the
-loss after the optimizer step (a collective after the commit). Each step also runs a
+loss after the optimizer step (a collective after the commit); ``decay_steps``
+(optional): the steps run by another step function, which multiplies the parameters by
+`DECAY` before the optimizer step (a change live recovery cannot undo without a full copy:
+it votes after that function's steps). Each step also runs a
 BatchNorm (``tracker``, given to LiveRecovery, not part of the model's output) whose
 ``num_batches_tracked`` counts the forward passes a replica kept: a step undone and
 redone must count once. Each surviving replica writes ``out/rank<R>.json``: its final fp64
@@ -36,6 +39,16 @@ def data(steps, global_batch):
     x = torch.randn(steps * global_batch, 4, generator=generator, dtype=torch.float64)
     y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]], dtype=torch.float64) + 0.1
     return x, y
+
+
+DECAY = 0.99
+
+
+def decay(model):
+    """Weight decay by hand, before the optimizer step (``decay_steps``)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(DECAY)
 
 
 def model_and_optimizer():
@@ -68,6 +81,7 @@ def main(config):
     g = config["global_batch"]
     replicas_per_step = []
     reduce_after = set(config.get("reduce_after_steps", ()))
+    decay_steps = set(config.get("decay_steps", ()))
 
     def kill_after_vote(optimizer, args, kwargs):
         # Runs after live recovery's pre-hook (registered after it): the vote is in.
@@ -95,9 +109,14 @@ def main(config):
             return ts.get_replica_context().all_reduce("sum", loss.detach())
         return loss.detach()
 
+    def decayed_step(batch):
+        decay(model)
+        return train_step(batch)
+
     while recovery.step < config["steps"]:
         s = recovery.step
-        recovery.run(train_step, (x[s * g:(s + 1) * g], y[s * g:(s + 1) * g]))
+        recovery.run(decayed_step if s in decay_steps else train_step,
+                     (x[s * g:(s + 1) * g], y[s * g:(s + 1) * g]))
         replicas_per_step.append(recovery.num_replicas)
     recovery.commit()
     result = {"params": [p.detach().tolist() for p in model.parameters()],

@@ -142,22 +142,28 @@ def wait_for_key(store: dist.Store, key: str, watch: LivenessWatch,
     `poll_seconds`, asks `watch` for dead replicas and calls `on_dead(them)` once some are
     found (which is expected to set `key`).
 
-    The wait is the store's own (the server answers when the key is written: no polling,
-    no sleep to be woken from on a loaded machine); torch logs a warning each time such a
-    wait expires, which happens only while a replica is missing.
+    The wait is the store's own blocking ``get`` (the server answers when the key is
+    written: no polling, no sleep to be woken from on a loaded machine; one request from
+    here, where ``wait`` then ``get`` would be two), under a timeout of `poll_seconds` set
+    on `store` for that call only (the connection must not be shared with another
+    thread). torch logs a warning each time such a wait expires, which happens only while
+    a replica is missing.
 
     Raises:
       StoreLost: the store stopped answering.
     """
     told = False
+    previous = store.timeout  # type: ignore[attr-defined]  # a property the stubs omit
     while True:
+        store.set_timeout(datetime.timedelta(seconds=poll_seconds))
         try:
-            store.wait([key], datetime.timedelta(seconds=poll_seconds))
             return store.get(key)
         except Exception as error:  # TCPStore's errors: an expired wait, or a lost store
             text = str(error).lower()
             if "timeout" not in text and "timed out" not in text:
                 raise StoreLost(str(error).splitlines()[0][:200]) from error
+        finally:
+            store.set_timeout(previous)
         dead = watch.dead()
         if dead and not told:
             told = True
