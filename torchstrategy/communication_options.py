@@ -59,7 +59,10 @@ class CommunicationOptions:
       compression: None, "bf16" or "fp16": gradients of wider floating dtypes are
         all-reduced in that dtype (half the bytes, rounded); or ``ts.PowerSGD(rank=4)`` /
         ``ts.Int8()``: error-feedback compression (far fewer bytes; see
-        docs/gradient_reduction.md); the same as ``ts.NcclAllReduce(compression=...)``.
+        docs/gradient_reduction.md); or "auto" / ``ts.AutoCompression(...)``: the gradient
+        reducer measures the first steps, the link and its core, and picks the mode
+        predicted fastest (`torchstrategy.collectives.auto_compression`); the same as
+        ``ts.NcclAllReduce(compression=...)``.
 
     Raises:
       ValueError / TypeError: naming the bad argument.

@@ -15,6 +15,9 @@ nothing is lost over steps; `torchstrategy.collectives.error_feedback` runs it a
 of the gradient reducer's pipeline, which hands it each bucket as a `GradBucket` (as DDP
 hands its communication hooks a ``GradBucket``). The classes here only hold and check the settings,
 and describe a bucket.
+
+``compression="auto"`` (`AutoCompression`) lets the gradient reducer choose among these
+from measurements (`torchstrategy.collectives.auto_compression`).
 """
 from __future__ import annotations
 
@@ -313,7 +316,7 @@ def check_compression(compression: Compression) -> Compression:
     if compression is None or isinstance(compression, (ErrorFeedback, AutoCompression)) or \
             (isinstance(compression, str) and compression in _WIRE_DTYPES):
         return compression
-    raise ValueError(f"compression must be None, 'bf16' or 'fp16' (a wire dtype), "
+    raise ValueError(f"compression must be None, 'bf16' or 'fp16' (a wire dtype), or "
                      f"ts.PowerSGD(rank=...) / ts.Int8() / ts.OneBitAdam() (error "
                      f"feedback), or 'auto' / ts.AutoCompression(...) (chosen from "
                      f"measurements), got {compression!r}.")

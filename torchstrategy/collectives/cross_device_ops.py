@@ -169,8 +169,9 @@ class NcclAllReduce(CrossDeviceOps):
         `torchstrategy.collectives.compression`); or ``ts.PowerSGD(rank=...)`` /
         ``ts.Int8()``: error-feedback compression of gradient buckets
         (`torchstrategy.collectives.error_feedback`; the buckets are then reduced after
-        backward, not during it). Values reduced with ``strategy.reduce`` are never
-        compressed.
+        backward, not during it); or "auto" / ``ts.AutoCompression(...)``: chosen from
+        measurements at the start of training. Values reduced with ``strategy.reduce``
+        are never compressed.
     """
 
     runs_error_feedback = True

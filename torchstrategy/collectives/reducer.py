@@ -38,6 +38,9 @@ How it works (the design DDP's reducer made standard):
   waits for it, after backward: no overlap with backward's computation), or another
   algorithm's ``all_reduce_async`` (``ts.ReductionToOneDevice``, ``ts.HierarchicalCopyAllReduce``,
   ``NcclAllReduce(num_packs=k)``).
+- With ``compression="auto"`` the first synchronised steps run uncompressed while an
+  `AutoCompressionProbe` times them; at its choice the reducer switches its reduction
+  (`_use_compression`: a new core with the same buckets) on every replica at once.
 
 Beside the buckets, one small tensor carries a flag per parameter: 1 if this replica
 contributed a gradient for it. It is all-reduced once per synchronised backward, after the
@@ -321,8 +324,21 @@ class GradientReducer:
             return
         exposed = float(self._core.stats()[2])
         choice = self._auto.on_synced_step(exposed, self._params, len(self._layout))
-        if choice is not None and choice.compression is not None:
+        if choice is None:
+            return
+        if choice.compression is not None:
             self._use_compression(choice.compression)
+        pending, self._pending_state = self._pending_state, None
+        if not pending:
+            return
+        try:
+            self.load_state_dict(pending)
+        except ValueError as not_its_own:
+            if self._comm.rank == 0:
+                logger.warning(f"torchstrategy: compression='auto' chose "
+                               f"{choice.compression!r}; the error-feedback state loaded "
+                               f"before the choice is not its own, so error feedback (if "
+                               f"any) starts from zero residuals: {not_its_own}")
 
     def _use_compression(self, compression: Compression) -> None:
         """Switches the reduction to `compression` (None, a wire dtype, `ts.Int8` or
@@ -339,15 +355,6 @@ class GradientReducer:
             self._stage = lambda bucket: cross_device_ops.all_reduce_async(bucket.buffer,
                                                                            group)
         self._replace_core(self._new_core(self._cap, self._first_cap))
-        pending, self._pending_state = self._pending_state, None
-        if pending and self._error_feedback is not None:
-            try:
-                self.load_state_dict(pending)
-            except ValueError as saved_by_another:
-                if self._comm.rank == 0:
-                    logger.warning(f"torchstrategy: compression='auto' chose {compression!r}; "
-                                   f"the error-feedback state loaded before was not its "
-                                   f"own ({saved_by_another}): residuals start from zero.")
 
     def on_synced_step(self, callback: Callable[[], None]) -> None:
         """Calls `callback()` at the end of every synchronised backward, after the
@@ -464,7 +471,9 @@ class GradientReducer:
 
         A state saved by another number of replicas is loaded too: each replica takes an
         equal share of the sum of the saved residuals (`ErrorFeedbackStage.spread_over`),
-        and rank 0 logs that it did.
+        and rank 0 logs that it did. Under ``compression="auto"`` before its choice, the
+        state is kept and loaded when the choice is made, if it chose the mode that saved
+        it (else residuals start from zero, with a warning).
 
         Raises:
           ValueError: a non-empty state without error-feedback compression, a state that is
