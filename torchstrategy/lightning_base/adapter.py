@@ -326,8 +326,10 @@ class LightningStrategy(_LightningParallelStrategy):
         self._wrapped = strategy is not None
         self._kind = kind
         self._start_method = start_method
-        self._num_nodes = 1
-        self._parallel_devices: list[torch.device] | None = None
+        # What Lightning's connector assigns through the public ``num_nodes`` and
+        # ``parallel_devices`` (the Trainer's num_nodes; its devices, for a kind only).
+        self._trainer_num_nodes = 1
+        self._trainer_devices: list[torch.device] | None = None
         self._buffer_mode = buffers
         # DistributedDataParallel's state, as Lightning's "ddp" drives it (see
         # `_after_step`): Lightning wraps the module only to fit, and the wrapper
@@ -380,11 +382,11 @@ class LightningStrategy(_LightningParallelStrategy):
         connector would pick CUDA and hand it to us."""
         if self._ts is not None and self._kind is None:
             return self._local_devices()
-        return self._parallel_devices
+        return self._trainer_devices
 
     @parallel_devices.setter
     def parallel_devices(self, devices: list[torch.device] | None) -> None:
-        self._parallel_devices = devices
+        self._trainer_devices = devices
 
     def _local_devices(self) -> list[torch.device]:
         """The devices of the replicas on this machine, one per process, as Lightning
@@ -421,11 +423,11 @@ class LightningStrategy(_LightningParallelStrategy):
 
     @property
     def num_nodes(self) -> int:
-        return self._num_nodes
+        return self._trainer_num_nodes
 
     @num_nodes.setter
     def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
+        self._trainer_num_nodes = num_nodes
 
     @property
     def num_processes(self) -> int:
@@ -505,9 +507,9 @@ class LightningStrategy(_LightningParallelStrategy):
                     f"accelerator at 'auto' (or pass accelerator={wanted_type!r}), or "
                     "create the strategy on the devices you want.")
         machines = self._machines()
-        if self._num_nodes != machines:
+        if self._trainer_num_nodes != machines:
             raise ValueError(
-                f"Trainer(num_nodes={self._num_nodes}) disagrees with {name}, which "
+                f"Trainer(num_nodes={self._trainer_num_nodes}) disagrees with {name}, which "
                 f"spans {machines} machine(s). Pass num_nodes={machines}.")
 
     def _check_trainer_devices(self, trainer: Any) -> None:
@@ -548,7 +550,7 @@ class LightningStrategy(_LightningParallelStrategy):
         kind = self._kind
         if kind is None:
             raise RuntimeError("LightningStrategy: no kind to build a strategy from.")
-        devices = list(self._parallel_devices or [torch.device("cpu")])
+        devices = list(self._trainer_devices or [torch.device("cpu")])
         strategy_class = strategy_registry.trainer_kind(kind).strategy_class()
         return strategy_class.build_for_trainer(devices, self.num_nodes, name=kind)
 
