@@ -274,6 +274,20 @@ def test_mismatched_accelerator_is_a_clear_error():
         _trainer(strategy=_one_device(), accelerator="cuda")
 
 
+def test_accelerator_lightning_assigns_is_checked_against_the_strategy():
+    """For device types whose strategy devices Lightning does not tie to an accelerator
+    (it does so for CPU and CUDA only), the adapter checks the accelerator the connector
+    assigns it, before set_world_ranks returns (as the connector calls it)."""
+    from lightning.pytorch.accelerators import CUDAAccelerator
+
+    strategy = _one_device()
+    strategy.accelerator = CUDAAccelerator()
+    with pytest.raises(ValueError, match=r"The Trainer's accelerator \(CUDAAccelerator\) "
+                       r"disagrees with OneDeviceStrategy\(device='cpu:0'\), whose replicas "
+                       r"run on cpu. Leave accelerator at 'auto' \(or pass accelerator='cpu'\)"):
+        strategy.set_world_ranks()
+
+
 def test_mismatched_num_nodes_is_a_clear_error():
     with pytest.raises(ValueError, match=r"Trainer\(num_nodes=2\) disagrees with "
                        r"OneDeviceStrategy\(device='cpu:0'\), which spans 1 machine\(s\). "
