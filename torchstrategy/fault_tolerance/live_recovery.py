@@ -270,8 +270,7 @@ class LiveRecovery:
         self._leaving = False
         self._stepped_after_vote: list[torch.optim.Optimizer] = []
         self._cannot_vote_in_step = ""
-        self._versions_at_start: list[int] = []
-        self._grad_versions_at_vote: list[tuple[int, int]] = []
+        self._grads_at_vote: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._hook_handles: list[Any] = []
         self._departures = ""
         # The signal that asked this replica to leave, once one came.
@@ -418,12 +417,11 @@ class LiveRecovery:
                 self._snapshot.take()
             else:
                 self._step_start.take()
-            if self._probing:
-                self._versions_at_start = [p._version for p in self._step_start.parameters]
             self._outcome = None
             self._leaving = False
             self._stepped_after_vote = []
             self._cannot_vote_in_step = ""
+            self._grads_at_vote = []
             self.step = self._committed
             comm = self._extended.communicator
             share = replica_slice(global_batch, comm.rank, comm.world_size,
@@ -447,9 +445,7 @@ class LiveRecovery:
             if outcome is None:
                 # No optimizer stepped in the step (or it votes after the step): vote now.
                 outcome = self._vote(ran=failure is None)
-                if self._probing and failure is None and any(
-                        p._version != v for p, v in zip(self._step_start.parameters,
-                                                        self._versions_at_start)):
+                if self._probing and failure is None and self._snapshot.parameters_changed():
                     self._cannot_vote_in_step = ("it changes parameters without stepping an "
                                                  "optimizer given to LiveRecovery")
             if outcome != ABORT:
@@ -482,29 +478,26 @@ class LiveRecovery:
         if not self._armed:
             return None
         if self._outcome is None:
-            if self._probing and any(p._version != v for p, v in
-                                     zip(self._step_start.parameters,
-                                         self._versions_at_start)):
+            if self._probing and self._snapshot.parameters_changed():
                 self._cannot_vote_in_step = "it changes parameters before its first " \
                                             "optimizer step"
             self._outcome = self._vote(ran=True)
             if self._outcome == ABORT:
                 raise _StepAborted()
-            if self._probing:
-                self._grad_versions_at_vote = [
-                    (id(p.grad), p.grad._version) if p.grad is not None else (0, -1)
-                    for p in self._step_start.parameters]
+            if self._probing:   # the gradients the vote was cast on (a copy, once)
+                self._grads_at_vote = [(p, None if p.grad is None else p.grad.detach().clone())
+                                       for p in self._step_start.parameters]
             self._stepped_after_vote = [optimizer]
             return None
         if any(o is optimizer for o in self._stepped_after_vote):
             self._cannot_vote_in_step = "it steps an optimizer more than once"
         elif self._probing:
             mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            for param, (grad_id, version) in zip(self._step_start.parameters,
-                                                 self._grad_versions_at_vote):
+            for param, voted in self._grads_at_vote:
                 grad = param.grad
-                now = (id(grad), grad._version) if grad is not None else (0, -1)
-                if id(param) in mine and now != (grad_id, version):
+                if id(param) in mine and ((grad is None) != (voted is None) or (
+                        grad is not None and voted is not None and
+                        not torch.equal(grad.detach(), voted))):
                     self._cannot_vote_in_step = (
                         "it steps an optimizer on gradients computed after another "
                         "optimizer stepped")

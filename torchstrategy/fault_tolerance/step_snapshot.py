@@ -104,6 +104,16 @@ class StepSnapshot:
         self._cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() and \
             torch.cuda.is_initialized() else None
 
+    def parameters_changed(self) -> bool:
+        """Whether a parameter of the modules differs from its copy taken by `take`."""
+        with torch.no_grad():
+            for module in self._modules:
+                for param in module.parameters():
+                    saved = self._copies.get(param)
+                    if saved is None or not torch.equal(saved, param.detach()):
+                        return True
+        return False
+
     def restore(self) -> None:
         """Puts back what `take` copied (see the class docstring)."""
         with torch.no_grad():
@@ -166,13 +176,13 @@ class StepStart:
     """
 
     def __init__(self, objects: Mapping[str, Any]) -> None:
-        self._buffers: list[torch.Tensor] = []
+        self._kept_buffers: list[torch.Tensor] = []
         self._params: list[torch.Tensor] = []
         self._optimizers: list[torch.optim.Optimizer] = []
         seen: module_state.IdentityMap[torch.Tensor, bool] = module_state.IdentityMap()
         for name, obj in objects.items():
             if isinstance(obj, torch.nn.Module):
-                self._buffers.extend(obj.buffers())
+                self._kept_buffers.extend(obj.buffers())
                 params = list(obj.parameters())
             elif isinstance(obj, torch.optim.Optimizer):
                 self._optimizers.append(obj)
@@ -187,7 +197,7 @@ class StepStart:
                     seen[param] = True
                     self._params.append(param)
         self._buffer_copies: list[torch.Tensor] = [
-            torch.empty_like(b, memory_format=torch.preserve_format) for b in self._buffers]
+            torch.empty_like(b, memory_format=torch.preserve_format) for b in self._kept_buffers]
         self._grad_copies: module_state.IdentityMap[torch.Tensor, torch.Tensor] = \
             module_state.IdentityMap()
         self._grads: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -203,7 +213,7 @@ class StepStart:
     def take(self) -> None:
         """Copies the state a step changes before its optimizers step, as it is now."""
         with torch.no_grad():
-            for buffer, saved in zip(self._buffers, self._buffer_copies):
+            for buffer, saved in zip(self._kept_buffers, self._buffer_copies):
                 saved.copy_(buffer)
             self._grads = []
             for param in self._params:
@@ -229,7 +239,7 @@ class StepStart:
     def restore(self) -> None:
         """Puts back what `take` copied (see the class docstring)."""
         with torch.no_grad():
-            for buffer, saved in zip(self._buffers, self._buffer_copies):
+            for buffer, saved in zip(self._kept_buffers, self._buffer_copies):
                 buffer.copy_(saved)
             for param in self._params:
                 param.grad = None
