@@ -172,7 +172,10 @@ class LiveRecovery:
         redoes the interrupted step only. k: the whole state is copied and the replicas
         vote every k steps (the copy's cost divided by k); a loss redoes the steps since
         the last commit (at most k), and `commit` must be called at the end of training and
-        before the state is read.
+        before the state is read. Gradient accumulation across calls of `run` under
+        ``no_sync()`` needs k = the micro-batches per optimizer step (the accumulated
+        gradients of a lost replica are lost with it; redoing the micro-batches since the
+        last optimizer step restores them).
       leave_on_signals: signals (e.g. ``(signal.SIGTERM,)``: a spot notice, the preemption
         of one node) on which this replica leaves the job at the next commit while the
         others go on (a planned departure: nothing is redone); it then exits with 0. Where
