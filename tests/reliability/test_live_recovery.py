@@ -137,8 +137,10 @@ def jobs(tmp_path_factory):
         context, root / "joined", 2, [[1, 8, "backward"]], min_replicas=2, steps=10,
         joiners=1, max_replicas=3))}))
     outcome.update(_finish_jobs({"committed": (root / "committed", _start_job(
-        context, root / "committed", 3, [[2, 2, "after_vote"], [1, 4, "after_step"]],
-        min_replicas=1, steps=7, reduce_after_steps=[4], decay_steps=[4, 5, 6]))}))
+        context, root / "committed", 4,
+        [[3, 1, "before_step"], [2, 2, "after_vote"], [1, 4, "after_step"]],
+        min_replicas=1, steps=7, global_batch=12, reduce_after_steps=[4],
+        decay_steps=[4, 5, 6]))}))
     return outcome
 
 
@@ -198,7 +200,10 @@ def test_joiner_admitted_at_a_commit_then_a_loss_equal_one_device(jobs):
 
 def test_killed_between_vote_and_optimizer_step_or_after_commit_step_applied_once(jobs):
     codes, logs, results = jobs["committed"]
-    # 3 replicas, a commit every step (the vote in the optimizer's step pre-hook). Step 2:
+    # 4 replicas, a commit every step (the vote in the optimizer's step pre-hook). Step 1:
+    # replica 3 SIGKILLed after its backward (the all-reduce done), before its vote: the
+    # others wait for its vote in the pre-hook until its heartbeat stops, the decision is
+    # "abort", and the step stops there (no optimizer stepped) and is redone by 3. Step 2:
     # replica 2 votes (the step commits) and is SIGKILLed before its optimizer steps;
     # replicas 0 and 1 apply step 2 and fail in step 3's gradient all-reduce: step 3 is
     # undone (only its buffers and gradients: no optimizer stepped) and redone by 2.
@@ -206,18 +211,19 @@ def test_killed_between_vote_and_optimizer_step_or_after_commit_step_applied_onc
     # fails in the all-reduce after its optimizer step: step 4 is not redone. Steps 4-6
     # run a step function that scales the parameters before its optimizer step: its first
     # step (4) finds that out under a full copy, and its next ones vote after the step.
-    assert codes == [0, -signal.SIGKILL, -signal.SIGKILL], logs[0][-3000:]
+    assert codes == [0, -signal.SIGKILL, -signal.SIGKILL, -signal.SIGKILL], logs[0][-3000:]
     result = results[0]
     assert result["steps"] == 7
-    assert result["replicas_per_step"] == [3, 3, 3, 2, 1, 1, 1]
-    assert [(r[0], r[1], r[2]) for r in result["recoveries"]] == [(3, [2], 2), (5, [1], 1)]
+    assert result["replicas_per_step"] == [4, 3, 3, 2, 1, 1, 1]
+    assert [(r[0], r[1], r[2]) for r in result["recoveries"]] == \
+        [(1, [3], 3), (3, [2], 2), (5, [1], 1)]
     assert "step 4 committed, then a collective after its optimizer step broke" in logs[0]
     assert "the step function 'decayed_step' votes after its steps, against a full copy " \
            "of the state taken before each one (it changes parameters before its first " \
            "optimizer step)" in logs[0]
     assert "'train_step' votes after" not in logs[0]
     assert result["tracked"] == 7
-    for got, want in zip(result["params"], _one_device(7, 6, decay_steps=(4, 5, 6))):
+    for got, want in zip(result["params"], _one_device(7, 12, decay_steps=(4, 5, 6))):
         torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want,
                                    rtol=0, atol=1e-6)
 

@@ -9,6 +9,8 @@ and ``kills``:
 ``[[rank, step, where], ...]``, where ``where`` is ``"backward"`` (SIGKILL between the
 forward and the backward: the others wait in the gradient all-reduce) or ``"after_step"``
 (SIGKILL after the optimizer stepped; with a commit every step, after the vote) or
+``"before_step"`` (SIGKILL after the backward, before the optimizer step: the
+gradient all-reduce completed everywhere, the others wait for its vote) or
 ``"after_vote"`` (SIGKILL in an optimizer step pre-hook that runs after live recovery's:
 the replica voted, the step committed, its optimizer did not step) or ``"sigterm"`` (a
 SIGTERM to itself during the step: it leaves the job at the next commit);
@@ -101,6 +103,8 @@ def main(config):
         loss.backward()
         if where == "sigterm":     # a termination notice: leave at the next commit
             os.kill(os.getpid(), signal.SIGTERM)
+        if where == "before_step":
+            os.kill(os.getpid(), signal.SIGKILL)
         optimizer.step()
         optimizer.zero_grad()
         if where == "after_step":
