@@ -41,6 +41,16 @@ def _options_and_layouts():
     big = torch.arange(2 * PIECE_BYTES // 8 + 5, dtype=torch.float64) * (rank + 1) + rank
     ops.all_reduce(big, None)
     sums["pieces"] = big
+    # Buckets in flight together, as the gradient reducer hands them over (every bucket,
+    # then a small flags tensor waited for first, then the buckets): one pipeline across
+    # them, each exact, whatever order they are waited in.
+    sizes = (PIECE_BYTES // 8 + 3, 7, 2 * PIECE_BYTES // 8 + 1)
+    buckets = [torch.arange(n, dtype=torch.float64) * (rank + 1) + rank + k
+               for k, n in enumerate(sizes)]
+    handles = [ops.all_reduce_async(b, None) for b in buckets]
+    for k in (1, 2, 0):
+        handles[k].wait()
+    sums["overlapping"] = buckets
     return facts, sums
 
 
@@ -54,6 +64,10 @@ def test_options_reach_the_backend_reducer_and_timeout_and_hierarchy_sums_exactl
     # One machine, or one replica per machine: a single level, i.e. a plain all-reduce.
     levels = {(0, 0, 1, 1): 2, (0, 0, 0, 1): 2, (0, 0, 0, 0): 1, (0, 1, 2, 3): 1}
     big = sums.pop("pieces")
+    for k, got in enumerate(sums.pop("overlapping")):
+        torch.testing.assert_close(got, sum(torch.arange(got.numel(), dtype=torch.float64)
+                                            * (r + 1) + r + k for r in range(4)),
+                                   atol=0, rtol=0, msg=f"overlapping bucket {k}")
     torch.testing.assert_close(big, sum(torch.arange(big.numel(), dtype=torch.float64) * (r + 1)
                                         + r for r in range(4)), atol=0, rtol=0)
     for (layout, packs), (num_machines, got) in sums.items():

@@ -10,7 +10,10 @@ network instead of one per replica:
 3. each leader broadcasts the total back to the replicas of its machine.
 
 The three stages are pipelined over pieces of the buffer (`PIECE_BYTES`), so that the
-network between machines and the links inside each machine are busy at the same time.
+network between machines and the links inside each machine are busy at the same time, and
+across buffers (`_Stages`): the gradient reducer hands over one buffer per bucket, and the
+next bucket's pieces follow the previous one's onto the link without waiting for its
+broadcast, so the link does not idle between buckets.
 
 The subgroups (one per machine, plus one of the leaders) are created once, collectively on
 every replica, when the multi-worker strategy is created (`create_groups`). Until then, and
@@ -19,8 +22,9 @@ all-reduce over the group it is given.
 """
 from __future__ import annotations
 
+import collections
 import datetime
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Deque, Hashable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,43 +41,94 @@ from torchstrategy.collectives.cross_device_ops import (CrossDeviceOps, Pending,
 PIECE_BYTES = 4 << 20
 
 
-class _Pipeline:
-    """The staged reduction of one buffer, pipelined over its pieces.
+class _Stages:
+    """The stages of every buffer handed over and not yet finished, across buffers: one
+    pipeline for all of them, so that the buckets of a backward overlap (while one
+    bucket's pieces cross between the machines, the next bucket's are being summed inside
+    each machine and the previous one's broadcast back), and the link between the machines
+    gets the next piece as soon as it is ready, whatever bucket it belongs to.
 
-    The per-machine reduces of every piece are started at once (when the buffer is
-    handed over, so they overlap what the caller does next); `wait` then starts each
-    piece's next stage as soon as its previous one has landed. Every replica starts its
-    machine group's broadcasts in piece order at `wait` and nowhere else, so the
-    collectives of each group are issued in the same order on all of its members (gloo
-    matches them by that order), whatever finishes first."""
+    Pieces move through the stages strictly in the order they were handed over (`add`).
+    The leaders' group only ever carries the leaders' all-reduces, so a leader may start
+    them at any moment in that order (`_cross`: when a piece's local sum has landed, on a
+    later `add` or in `finish`); every replica starts its machine group's broadcasts in
+    that order too, and only in `finish` (so that each machine group sees its collectives
+    in the same order on all of its members: gloo matches them by that order).
+    """
 
-    def __init__(self, pieces: Sequence[torch.Tensor], layout: _Layout) -> None:
-        self._pieces = pieces
+    def __init__(self, layout: _Layout) -> None:
         self._layout = layout
-        self._reduces = [dist.reduce(piece, dst=layout.leader, group=layout.local_group,
-                                     async_op=True) for piece in pieces]
+        # Pieces whose cross-machine all-reduce has not started (leaders only), and
+        # pieces whose broadcast has not started: (piece, the work it waits for, its buffer).
+        self._to_cross: Deque[tuple[torch.Tensor, dist.Work, _Buffer]] = collections.deque()
+        self._to_broadcast: Deque[tuple[torch.Tensor, dist.Work, _Buffer]] = \
+            collections.deque()
+
+    def add(self, pieces: Sequence[torch.Tensor]) -> _Buffer:
+        """Starts the per-machine sums of `pieces` (one buffer) and returns its handle."""
+        layout = self._layout
+        buffer = _Buffer(self, len(pieces))
+        queue = self._to_cross if layout.is_leader else self._to_broadcast
+        for piece in pieces:
+            queue.append((piece, dist.reduce(piece, dst=layout.leader,
+                                             group=layout.local_group, async_op=True),
+                          buffer))
+        self._cross(block=False)
+        return buffer
+
+    def _cross(self, block: bool, timeout: datetime.timedelta | None = None) -> None:
+        """Leaders: starts the all-reduce between machines of every piece whose local sum
+        has landed, in order (with `block`, of every piece, waiting for each sum)."""
+        while self._to_cross:
+            piece, reduce, buffer = self._to_cross[0]
+            if not block and not reduce.is_completed():
+                return
+            wait_for(reduce, timeout)
+            self._to_cross.popleft()
+            self._to_broadcast.append(
+                (piece, dist.all_reduce(piece, group=self._layout.cross_group,
+                                        async_op=True), buffer))
+
+    def finish(self, buffer: _Buffer, timeout: datetime.timedelta | None) -> None:
+        """Drives the stages until every piece of `buffer` (and of each buffer handed over
+        before it) has its broadcast started, then waits for `buffer`'s broadcasts."""
+        layout = self._layout
+        try:
+            self._cross(block=True, timeout=timeout)
+            while buffer.unstarted:
+                if not self._to_broadcast:
+                    raise RuntimeError("torchstrategy: a hierarchical all-reduce waited for "
+                                       "after an earlier one failed; its group is unusable.")
+                piece, previous, owner = self._to_broadcast.popleft()
+                wait_for(previous, timeout)
+                owner.broadcasts.append(dist.broadcast(piece, src=layout.leader,
+                                                       group=layout.local_group,
+                                                       async_op=True))
+                owner.unstarted -= 1
+        except BaseException:
+            # A failed or timed-out stage: the group is unusable; forget what was queued so
+            # that no later call waits on it.
+            self._to_cross.clear()
+            self._to_broadcast.clear()
+            raise
+        for broadcast in buffer.broadcasts:
+            wait_for(broadcast, timeout)
+
+
+class _Buffer:
+    """The handle of one buffer in `_Stages`: done when its pieces' broadcasts have
+    landed."""
+
+    def __init__(self, stages: _Stages, num_pieces: int) -> None:
+        self._stages = stages
+        self.unstarted = num_pieces
+        self.broadcasts: list[dist.Work] = []
         self._done = False
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        if self._done:
-            return True
-        layout = self._layout
-        landed: Sequence[Pending] = self._reduces
-        if layout.is_leader:
-            crosses = []
-            for piece, reduce in zip(self._pieces, self._reduces):
-                wait_for(reduce, timeout)
-                crosses.append(dist.all_reduce(piece, group=layout.cross_group,
-                                               async_op=True))
-            landed = crosses
-        broadcasts = []
-        for piece, previous in zip(self._pieces, landed):
-            wait_for(previous, timeout)
-            broadcasts.append(dist.broadcast(piece, src=layout.leader,
-                                             group=layout.local_group, async_op=True))
-        for broadcast in broadcasts:
-            wait_for(broadcast, timeout)
-        self._done = True
+        if not self._done:
+            self._stages.finish(self, timeout)
+            self._done = True
         return True
 
 
@@ -89,6 +144,7 @@ class _Layout:
         self.cross_group = cross_group
         self.is_leader = is_leader
         self.num_machines = num_machines
+        self.stages = _Stages(self)
 
 
 class HierarchicalCopyAllReduce(CrossDeviceOps):
@@ -173,7 +229,7 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
     @staticmethod
     def _hierarchical(chunk: torch.Tensor, layout: _Layout) -> Pending:
         piece = max(1, PIECE_BYTES // max(chunk.element_size(), 1))
-        return _Pipeline(torch.split(chunk.view(-1), piece), layout)
+        return layout.stages.add(torch.split(chunk.view(-1), piece))
 
     def __repr__(self) -> str:
         return f"HierarchicalCopyAllReduce(num_packs={self.num_packs})"
