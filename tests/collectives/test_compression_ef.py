@@ -7,9 +7,11 @@ import logging
 import os
 import subprocess
 import sys
+import traceback
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import torchstrategy as ts
 from torchstrategy import _ops
@@ -162,14 +164,90 @@ def _reference_powersgd(records, rank, warmup, seed):
     return applied
 
 
-@pytest.fixture(scope="module")
-def powersgd_run():
-    return launch(_train, ts.PowerSGD(rank=2, warmup_steps=1, seed=3), n=2)
+# -- the shared launches --------------------------------------------------------------
+# Every 2-replica scenario of this file runs in one of two launches (each process start
+# costs seconds of imports): the first trains, the second resumes from what the first
+# saved, in fresh processes as a restarted job does. Each scenario runs under its own
+# try/except, so one that fails is reported by its own tests with its own traceback, and
+# the others still run and are checked.
+_COMPRESSIONS = {"powersgd": lambda: ts.PowerSGD(rank=2, warmup_steps=1, seed=3),
+                 "int8": lambda: ts.Int8(chunk_size=64)}
+_BF16_COMPRESSIONS = {"powersgd": lambda: ts.PowerSGD(rank=2),
+                      "int8": lambda: ts.Int8(chunk_size=64)}
+
+
+class _Failed:
+    """A scenario that raised inside a replica: its traceback, to be reported by its tests."""
+
+    def __init__(self, where):
+        self.where = where
+
+
+def _scenarios(jobs):
+    """Inside a replica: runs each (name, fn, args) in turn; returns {name: result or
+    _Failed}. A scenario's result is what its function returns on replica 0 (the functions
+    gather every replica's part themselves)."""
+    outcomes = {}
+    for name, fn, args in jobs:
+        try:
+            outcomes[name] = fn(*args)
+        except Exception:
+            outcomes[name] = _Failed(f"replica {dist.get_rank()}: {traceback.format_exc()}")
+    return outcomes
+
+
+def _outcome(outcomes, name):
+    if name not in outcomes:
+        pytest.fail(f"scenario {name!r} did not run: the run it resumes failed", pytrace=False)
+    result = outcomes[name]
+    if isinstance(result, _Failed):
+        pytest.fail(f"scenario {name!r} raised in a replica:\n{result.where}", pytrace=False)
+    return result
+
+
+def _first_job(directory):
+    return _scenarios(
+        [(name, _train, (make(),)) for name, make in _COMPRESSIONS.items()]
+        + [(f"bf16_{name}", _bf16_mean, (make(),)) for name, make in _BF16_COMPRESSIONS.items()]
+        + [("backup_uninterrupted", _backup_run, (os.path.join(directory, "a"), None)),
+           ("backup_preempted", _backup_run, (os.path.join(directory, "b"), 4))])
+
+
+def _resume_job(directory, saved):
+    return _scenarios(
+        [(f"resume_{name}", _train, (make(), saved[name])) for name, make in _COMPRESSIONS.items()
+         if saved[name] is not None]
+        + [("backup_resumed", _backup_run, (os.path.join(directory, "b"), None))])
 
 
 @pytest.fixture(scope="module")
-def int8_run():
-    return launch(_train, ts.Int8(chunk_size=64), n=2)
+def first_launch(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("compression_ef"))
+    return directory, launch(_first_job, directory, n=2)
+
+
+@pytest.fixture(scope="module")
+def powersgd_run(first_launch):
+    return _outcome(first_launch[1], "powersgd")
+
+
+@pytest.fixture(scope="module")
+def int8_run(first_launch):
+    return _outcome(first_launch[1], "int8")
+
+
+def _saved(run):
+    """What a run saved after SAVE_AT, as a checkpoint every replica loads."""
+    return {"model": [s["model"] for _, s, *_ in run],
+            "reducer": [run[0][1]["reducer"]] * 2, "step": run[0][1]["step"]}
+
+
+@pytest.fixture(scope="module")
+def resume_launch(first_launch):
+    directory, outcomes = first_launch
+    saved = {name: None if isinstance(outcomes[name], _Failed) else _saved(outcomes[name])
+             for name in _COMPRESSIONS}
+    return launch(_resume_job, directory, saved, n=2)
 
 
 def _check_error_feedback_identity(run):
@@ -291,17 +369,11 @@ def test_stats_count_the_bytes_sent(powersgd_run, int8_run):
     assert 3.5 < q["compression_ratio"] < 4
 
 
-def _resume(compression, saved):
-    return launch(_train, compression, saved, n=2)
-
-
 @pytest.mark.parametrize("which", ["powersgd", "int8"])
-def test_checkpoint_resume_equals_uninterrupted_run(which, powersgd_run, int8_run):
-    run, compression = {"powersgd": (powersgd_run, ts.PowerSGD(rank=2, warmup_steps=1, seed=3)),
-                        "int8": (int8_run, ts.Int8(chunk_size=64))}[which]
-    saved = {"model": [s["model"] for _, s, *_ in run],
-             "reducer": [run[0][1]["reducer"]] * 2, "step": run[0][1]["step"]}
-    resumed = _resume(compression, saved)
+def test_checkpoint_resume_equals_uninterrupted_run(which, first_launch, resume_launch):
+    # The checkpoint saved after SAVE_AT by the first launch, loaded by fresh processes.
+    run = _outcome(first_launch[1], which)
+    resumed = _outcome(resume_launch, f"resume_{which}")
     for r in range(2):
         for a, b in zip(resumed[r][2], run[r][2]):
             assert torch.equal(a, b)
@@ -340,9 +412,9 @@ def _bf16_mean(compression):
     return from_every_replica((records, states[r]["residuals"], (loaded, said)))
 
 
-@pytest.mark.parametrize("compression", [ts.PowerSGD(rank=2), ts.Int8(chunk_size=64)])
-def test_bf16_gradients_and_mean_loss(compression):
-    run = launch(_bf16_mean, compression, n=2)
+@pytest.mark.parametrize("which", ["powersgd", "int8"])   # PowerSGD(rank=2), Int8(64)
+def test_bf16_gradients_and_mean_loss(which, first_launch):
+    run = _outcome(first_launch[1], f"bf16_{which}")
     assert any("saved by 1 replicas and is loaded into 2" in line for line in run[0][2][1])
     assert run[1][2][1] == []   # said once, by replica 0
     for i in run[0][1]:
@@ -389,10 +461,12 @@ def _backup_run(directory, stop_at):
     return from_every_replica([p.detach().clone() for p in model.parameters()])
 
 
-def test_backup_and_restore_resumes_exactly(tmp_path):
-    uninterrupted = launch(_backup_run, str(tmp_path / "a"), None, n=2)
-    assert launch(_backup_run, str(tmp_path / "b"), 4, n=2) is None
-    resumed = launch(_backup_run, str(tmp_path / "b"), None, n=2)
+def test_backup_and_restore_resumes_exactly(first_launch, resume_launch):
+    # Preempted before global step 4 in the first launch; resumed by the second's fresh
+    # processes from the same directory.
+    uninterrupted = _outcome(first_launch[1], "backup_uninterrupted")
+    assert _outcome(first_launch[1], "backup_preempted") is None
+    resumed = _outcome(resume_launch, "backup_resumed")
     for r in range(2):
         for a, b in zip(resumed[r], uninterrupted[r]):
             assert torch.equal(a, b)
