@@ -51,6 +51,11 @@ def _check_equivalence(outdir, machines, reference):
     codes = wait_all(machines, timeout=240)
     logs = [m.log() for m in machines]
     assert codes == [0, 0], "\n\n".join(log[-3000:] for log in logs)
+    _check_train_results(outdir, reference)
+    return logs
+
+
+def _check_train_results(outdir, reference):
     for rank in range(4):
         result = torch.load(os.path.join(outdir, f"train-rank{rank}.pt"))
         assert result["facts"]["replicas"] == 4 and result["facts"]["num_workers"] == 2
@@ -60,7 +65,6 @@ def _check_equivalence(outdir, machines, reference):
                                        torch.tensor(reference["losses"]), atol=1e-6, rtol=0)
             assert_same_tensors(got["final"], reference["final"], atol=1e-6, rtol=0,
                                 what=f"{variant} rank {rank}")
-    return logs
 
 
 def test_the_cluster_starts_shapes_and_leaves_nothing_behind():
@@ -112,12 +116,42 @@ def test_the_cluster_is_what_a_user_meets(nodes):
         server.wait()
 
 
-def test_tf_config_machines_named_by_hostname_train_exactly(nodes, tmp_path, reference):
+@pytest.fixture(scope="module")
+def tf_config_run(nodes, tmp_path_factory):
+    """One TF_CONFIG job (2 machines x 2 replicas) running two scenarios in turn, each in
+    its own try/except (tests/scripts/multi_worker_train.py's "train+sharded"): the
+    equivalence training, then ShardedStrategy's hybrid mesh. One start instead of two;
+    each scenario's test reads its own results and its own error files, so one failing
+    does not hide the other. Returns (outdir, exit codes, logs)."""
+    outdir = tmp_path_factory.mktemp("tf_config")
     # TF_CONFIG names the machines as users write them: node0:PORT, node1:2222.
     machines = start_tf_config_machines(
-        "train", tmp_path, replicas=2, hosts=["node0", "node1"], netns=nodes.nodes,
-        **_env(TEST_LOG_LEVEL="INFO"))
-    logs = _check_equivalence(tmp_path, machines, reference)
+        "train+sharded", outdir, replicas=2, hosts=["node0", "node1"], netns=nodes.nodes,
+        **_env(TEST_LOG_LEVEL="INFO", ATOL="1e-6"))
+    codes = wait_all(machines, timeout=300)
+    return outdir, codes, [m.log() for m in machines]
+
+
+def _scenario_errors(run, part):
+    """Fails with the scenario's tracebacks where any replica wrote one, or with the logs
+    where a replica left no result (it died, or never got that far); and, where neither
+    scenario raised, unless both machines exited 0."""
+    outdir, codes, logs = run
+    errors = sorted(name for name in os.listdir(outdir) if name.endswith(".error"))
+    mine = [name for name in errors if name.startswith(f"{part}-rank")]
+    details = "\n\n".join(open(os.path.join(outdir, name)).read() for name in mine)
+    assert not mine, f"{part} raised on {mine}:\n{details}"
+    missing = [r for r in range(4)
+               if not os.path.exists(os.path.join(outdir, f"{part}-rank{r}.pt"))]
+    assert not missing, (f"no {part} result from ranks {missing}:\n"
+                         + "\n\n".join(log[-3000:] for log in logs))
+    assert errors or codes == [0, 0], "\n\n".join(log[-3000:] for log in logs)
+
+
+def test_tf_config_machines_named_by_hostname_train_exactly(tf_config_run, reference):
+    tmp_path, _, logs = tf_config_run
+    _scenario_errors(tf_config_run, "train")
+    _check_train_results(tmp_path, reference)
     # The choice is logged (once per replica process, at INFO).
     assert "using network interface eth0" in logs[1], logs[1][-3000:]
 
@@ -183,12 +217,11 @@ def test_advertised_loopback_is_one_error_naming_addresses_and_fix(nodes, tmp_pa
     assert not any(node.pids() for node in nodes.nodes)
 
 
-def test_sharded_hybrid_mesh_shards_within_a_node_and_replicates_across(nodes, tmp_path):
-    machines = start_tf_config_machines("sharded", tmp_path, replicas=2,
-                                        hosts=["node0", "node1"], netns=nodes.nodes,
-                                        **_env(ATOL="1e-6"))
-    codes = wait_all(machines, timeout=240)
-    assert codes == [0, 0], "\n\n".join(m.log()[-3000:] for m in machines)
+def test_sharded_hybrid_mesh_shards_within_a_node_and_replicates_across(tf_config_run):
+    # Run after the equivalence training by the same TF_CONFIG job (see tf_config_run);
+    # check_equal_to_one_device asserted the losses and weights (1e-6) on every replica.
+    tmp_path = tf_config_run[0]
+    _scenario_errors(tf_config_run, "sharded")
     for rank in range(4):
         result = torch.load(os.path.join(tmp_path, f"sharded-rank{rank}.pt"))
         assert result["replicas"] == 4

@@ -17,6 +17,10 @@ MODE:
   sharded     ShardedStrategy with hybrid sharding (shard within this machine's replicas,
               replicate across machines) trains tests/sharded's MLP like one device
               (within $ATOL, default 1e-5); records the placements and the mesh.
+  train+sharded  "train", then "sharded" in the same processes (one start for both: the
+              several-machines tests). Each part runs under its own try/except: one that
+              raises writes its traceback to OUTDIR/<part>-rank<R>.error and the other
+              still runs; the process then exits 1.
   peer_death  the replica of rank 1 dies (SIGKILL) after a few steps; the others carry on.
   peer_hang   the replica of rank 1 stops taking part (sleeps) after a few steps.
 """
@@ -25,8 +29,10 @@ import os
 import signal
 import sys
 import time
+import traceback
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -41,9 +47,9 @@ mode, outdir = sys.argv[1], sys.argv[2]
 devices = [f"cpu:{i}" for i in range(int(sys.argv[3]))] if len(sys.argv) > 3 else None
 
 
-def save(result, strategy):
+def save(result, strategy, name=None):
     rank = strategy.extended.replica_id
-    torch.save(result, os.path.join(outdir, f"{mode}-rank{rank}.pt"))
+    torch.save(result, os.path.join(outdir, f"{name or mode}-rank{rank}.pt"))
 
 
 def train_equivalence(strategy):
@@ -81,8 +87,6 @@ def facts(strategy):
 def hierarchical_sums(strategy, ops):
     """Sums of known per-replica buffers through the hierarchical op, several sizes and
     dtypes, next to a plain all-reduce of the same buffers."""
-    import torch.distributed as dist
-
     rank = strategy.extended.replica_id
     out = []
     for size, dtype in [(1, torch.float32), (7, torch.float64), (1000, torch.float32),
@@ -95,7 +99,7 @@ def hierarchical_sums(strategy, ops):
     return out
 
 
-if mode == "train":
+def train_mode():
     result = {}
     strategy = ts.MultiWorkerMirroredStrategy(devices=devices)
     result["facts"] = facts(strategy)
@@ -105,7 +109,39 @@ if mode == "train":
     result["num_machines"] = ops.num_machines
     result["hierarchical"] = train_equivalence(hierarchical)
     result["sums"] = hierarchical_sums(hierarchical, ops)
-    save(result, strategy)
+    save(result, strategy, "train")
+
+
+def sharded_mode():
+    # Hybrid sharding across the machines: shard within a machine (its 2 replicas),
+    # replicate across machines. check_equal_to_one_device asserts the losses and the
+    # exported weights against one device on every replica.
+    from tests.sharded.test_sharded import check_equal_to_one_device
+
+    strategy = ts.ShardedStrategy(devices=devices, shard_group_size=len(devices or [0, 0]))
+    model, _, _ = check_equal_to_one_device(strategy, "mlp",
+                                            atol=float(os.environ.get("ATOL", "1e-5")))
+    parameter = next(model.parameters())
+    save({"placements": [type(p).__name__ for p in parameter.placements],
+          "mesh": parameter.device_mesh.mesh.tolist(),
+          "replicas": strategy.num_replicas_in_sync}, strategy, "sharded")
+
+
+if mode == "train":
+    train_mode()
+
+elif mode == "train+sharded":
+    failed = False
+    for part, run in (("train", train_mode), ("sharded", sharded_mode)):
+        try:
+            run()
+        except Exception:
+            failed = True
+            who = dist.get_rank() if dist.is_initialized() else f"-pid{os.getpid()}"
+            with open(os.path.join(outdir, f"{part}-rank{who}.error"), "w") as f:
+                f.write(traceback.format_exc())
+            traceback.print_exc()
+    sys.exit(1 if failed else 0)
 
 elif mode == "backup":
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -150,18 +186,7 @@ elif mode == "backup":
           "backup_left": os.path.exists(backup.path)}, strategy)
 
 elif mode == "sharded":
-    # Hybrid sharding across the machines: shard within a machine (its 2 replicas),
-    # replicate across machines. check_equal_to_one_device asserts the losses and the
-    # exported weights against one device on every replica.
-    from tests.sharded.test_sharded import check_equal_to_one_device
-
-    strategy = ts.ShardedStrategy(devices=devices, shard_group_size=len(devices or [0, 0]))
-    model, _, _ = check_equal_to_one_device(strategy, "mlp",
-                                            atol=float(os.environ.get("ATOL", "1e-5")))
-    parameter = next(model.parameters())
-    save({"placements": [type(p).__name__ for p in parameter.placements],
-          "mesh": parameter.device_mesh.mesh.tolist(),
-          "replicas": strategy.num_replicas_in_sync}, strategy)
+    sharded_mode()
 
 elif mode in ("peer_death", "peer_hang"):
     strategy = ts.MultiWorkerMirroredStrategy(devices=devices)
