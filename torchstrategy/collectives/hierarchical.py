@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import collections
 import datetime
+import functools
+import threading
 from typing import Callable, Deque, Hashable, Sequence
 
 import torch
@@ -41,75 +43,110 @@ from torchstrategy.collectives.cross_device_ops import (CrossDeviceOps, Pending,
 PIECE_BYTES = 4 << 20
 
 
+class _Piece:
+    """One piece of a buffer in `_Stages`: the work its next stage waits for."""
+
+    __slots__ = ("tensor", "work", "buffer", "landed")
+
+    def __init__(self, tensor: torch.Tensor, work: dist.Work, buffer: _Buffer) -> None:
+        self.tensor = tensor
+        self.work = work
+        self.buffer = buffer
+        self.landed = False   # (leaders) its machine's sum is in
+
+
 class _Stages:
     """The stages of every buffer handed over and not yet finished, across buffers: one
     pipeline for all of them, so that the buckets of a backward overlap (while one
     bucket's pieces cross between the machines, the next bucket's are being summed inside
     each machine and the previous one's broadcast back), and the link between the machines
-    gets the next piece as soon as it is ready, whatever bucket it belongs to.
+    gets each piece as soon as its machine's sum is in, whatever bucket it belongs to and
+    while backward still runs.
 
     Pieces move through the stages strictly in the order they were handed over (`add`).
-    The leaders' group only ever carries the leaders' all-reduces, so a leader may start
-    them at any moment in that order (`_cross`: when a piece's local sum has landed, on a
-    later `add` or in `finish`); every replica starts its machine group's broadcasts in
-    that order too, and only in `finish` (so that each machine group sees its collectives
-    in the same order on all of its members: gloo matches them by that order).
+    The leaders' group only ever carries the leaders' all-reduces, so a leader starts each
+    as soon as its piece's local sum lands (from the reduce's completion callback, on the
+    backend's thread, or from `finish`, whichever comes first), in that order. Every
+    replica starts its machine group's broadcasts in that order too, and only in `finish`
+    (so that each machine group sees its collectives in the same order on all of its
+    members: gloo matches them by that order).
     """
 
     def __init__(self, layout: _Layout) -> None:
         self._layout = layout
+        # The reduces' callbacks run on the backend's threads: the queues are shared.
+        self._lock = threading.Lock()
         # Pieces whose cross-machine all-reduce has not started (leaders only), and
-        # pieces whose broadcast has not started: (piece, the work it waits for, its buffer).
-        self._to_cross: Deque[tuple[torch.Tensor, dist.Work, _Buffer]] = collections.deque()
-        self._to_broadcast: Deque[tuple[torch.Tensor, dist.Work, _Buffer]] = \
-            collections.deque()
+        # pieces whose broadcast has not started.
+        self._to_cross: Deque[_Piece] = collections.deque()
+        self._to_broadcast: Deque[_Piece] = collections.deque()
+        self._error: BaseException | None = None
 
     def add(self, pieces: Sequence[torch.Tensor]) -> _Buffer:
         """Starts the per-machine sums of `pieces` (one buffer) and returns its handle."""
         layout = self._layout
         buffer = _Buffer(self, len(pieces))
-        queue = self._to_cross if layout.is_leader else self._to_broadcast
-        for piece in pieces:
-            queue.append((piece, dist.reduce(piece, dst=layout.leader,
-                                             group=layout.local_group, async_op=True),
-                          buffer))
-        self._cross(block=False)
+        for tensor in pieces:
+            piece = _Piece(tensor, dist.reduce(tensor, dst=layout.leader,
+                                               group=layout.local_group, async_op=True),
+                           buffer)
+            with self._lock:
+                (self._to_cross if layout.is_leader else self._to_broadcast).append(piece)
+            if layout.is_leader:
+                piece.work.get_future().then(functools.partial(self._on_reduced, piece))
         return buffer
 
-    def _cross(self, block: bool, timeout: datetime.timedelta | None = None) -> None:
-        """Leaders: starts the all-reduce between machines of every piece whose local sum
-        has landed, in order (with `block`, of every piece, waiting for each sum)."""
-        while self._to_cross:
-            piece, reduce, buffer = self._to_cross[0]
-            if not block and not reduce.is_completed():
-                return
-            wait_for(reduce, timeout)
-            self._to_cross.popleft()
-            self._to_broadcast.append(
-                (piece, dist.all_reduce(piece, group=self._layout.cross_group,
-                                        async_op=True), buffer))
+    def _on_reduced(self, piece: _Piece, future: torch.futures.Future[object]) -> None:
+        """The completion callback of `piece`'s reduce (leaders; the backend's thread)."""
+        try:
+            future.wait()                  # a failed sum crosses nothing
+        except BaseException as error:
+            self._error = error
+            return
+        self._landed(piece)
+
+    def _landed(self, piece: _Piece) -> None:
+        """Leaders: `piece`'s local sum is in; starts the all-reduce between machines of
+        every piece at the head of the queue whose sum is in."""
+        try:
+            with self._lock:
+                piece.landed = True
+                while self._to_cross and self._to_cross[0].landed:
+                    head = self._to_cross.popleft()
+                    head.work = dist.all_reduce(head.tensor, group=self._layout.cross_group,
+                                                async_op=True)
+                    self._to_broadcast.append(head)
+        except BaseException as error:   # on the backend's thread: reported by `finish`
+            self._error = error
 
     def finish(self, buffer: _Buffer, timeout: datetime.timedelta | None) -> None:
         """Drives the stages until every piece of `buffer` (and of each buffer handed over
         before it) has its broadcast started, then waits for `buffer`'s broadcasts."""
         layout = self._layout
         try:
-            self._cross(block=True, timeout=timeout)
+            with self._lock:
+                waiting = list(self._to_cross)
+            for piece in waiting:      # leaders: every local sum in, every cross started
+                wait_for(piece.work, timeout)
+                self._landed(piece)
             while buffer.unstarted:
-                if not self._to_broadcast:
+                if self._error is not None:
+                    raise self._error
+                with self._lock:
+                    head = self._to_broadcast.popleft() if self._to_broadcast else None
+                if head is None:
                     raise RuntimeError("torchstrategy: a hierarchical all-reduce waited for "
                                        "after an earlier one failed; its group is unusable.")
-                piece, previous, owner = self._to_broadcast.popleft()
-                wait_for(previous, timeout)
-                owner.broadcasts.append(dist.broadcast(piece, src=layout.leader,
-                                                       group=layout.local_group,
-                                                       async_op=True))
-                owner.unstarted -= 1
+                wait_for(head.work, timeout)
+                head.buffer.broadcasts.append(dist.broadcast(
+                    head.tensor, src=layout.leader, group=layout.local_group, async_op=True))
+                head.buffer.unstarted -= 1
         except BaseException:
             # A failed or timed-out stage: the group is unusable; forget what was queued so
             # that no later call waits on it.
-            self._to_cross.clear()
-            self._to_broadcast.clear()
+            with self._lock:
+                self._to_cross.clear()
+                self._to_broadcast.clear()
             raise
         for broadcast in buffer.broadcasts:
             wait_for(broadcast, timeout)
