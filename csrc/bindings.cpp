@@ -7,7 +7,7 @@
 #include "powersgd_ops.h"
 #include "reducer.h"
 
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
 namespace py = pybind11;

@@ -7,11 +7,15 @@
 #include "bucket_ops.h"
 #include "float_narrow.h"
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/_foreach_add.h>
+#include <ATen/ops/_foreach_copy.h>
+#include <ATen/ops/_foreach_mul.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/zeros.h>
 
 #include <cstring>
 #include <type_traits>
@@ -243,7 +247,7 @@ void unpack_cpu(at::Tensor flat, at::TensorList tensors, at::IntArrayRef offsets
     at::Tensor& dst = targets[i];
     if (fused_pair(dst, flat)) continue;
     at::Tensor slot = flat.narrow(0, offsets[i], numels[i]).view(dst.sizes());
-    at::Tensor value = scale == 1.0 ? slot : slot * scale;
+    at::Tensor value = scale == 1.0 ? slot : slot.mul(scale);
     if (accumulate) {
       dst.add_(value);
     } else {
@@ -278,7 +282,7 @@ void pack_generic(at::Tensor flat, const c10::List<std::optional<at::Tensor>>& t
                   " elements but its slot has ", numels[i]);
       // Scaled before the cast, so that a narrower buffer (compression) rounds once.
       at::Tensor piece = t->reshape({-1});
-      if (scale != 1.0) piece = piece * scale;
+      if (scale != 1.0) piece = piece.mul(scale);
       pieces.push_back(piece.to(flat.device(), flat.scalar_type()));
     } else {
       pieces.push_back(at::zeros({numels[i]}, flat.options()));

@@ -9,7 +9,8 @@
 //                                           (+ tensors[i] when accumulate)
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 

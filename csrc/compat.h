@@ -7,7 +7,10 @@
 // torch 2.11 (+cu130); recheck each use below when moving either.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+// pybind11 with torch's casters (at::Tensor, c10::intrusive_ptr holders): the part of
+// <torch/extension.h> csrc/ needs, without torch's whole C++ API (a third of the build).
+#include <torch/csrc/utils/pybind.h>
 
 // Private headers, included nowhere else in csrc/.
 #include <torch/csrc/autograd/engine.h>

@@ -5,6 +5,12 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/round.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 
 #include <algorithm>
 #include <cmath>
@@ -112,11 +118,11 @@ void ef_quantize_int8_generic(const at::Tensor& grad, at::Tensor residual, at::T
   at::Tensor scale = padded.view({chunks, chunk}).abs().amax(1).div(127.0f);
   scales.copy_(scale);
   at::Tensor per_element = scale.repeat_interleave(chunk).narrow(0, 0, n);
-  at::Tensor level = at::where(per_element > 0, at::round(residual / per_element),
+  at::Tensor level = at::where(per_element.gt(0), at::round(residual.div(per_element)),
                                at::zeros_like(residual))
                          .clamp(-127, 127);
   q.copy_(level);
-  residual.sub_(level * per_element);
+  residual.sub_(level.mul(per_element));
 }
 
 void dequantize_sum_generic(const at::Tensor& q, const at::Tensor& scales, at::Tensor out,
@@ -126,7 +132,7 @@ void dequantize_sum_generic(const at::Tensor& q, const at::Tensor& scales, at::T
   at::Tensor total = at::zeros({n}, out.options().dtype(at::kFloat));
   for (int64_t rep = 0; rep < q.size(0); ++rep) {
     at::Tensor per_element = scales[rep].repeat_interleave(chunk).narrow(0, 0, n);
-    total.add_(q[rep].to(at::kFloat) * per_element);
+    total.add_(q[rep].to(at::kFloat).mul(per_element));
   }
   out.view({n}).copy_(total);
 }

@@ -11,7 +11,7 @@
 //       then cast to out's dtype): the same bits on every replica.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 namespace torchstrategy {
 

@@ -14,8 +14,8 @@
 //
 // Registered here with TORCH_LIBRARY_FRAGMENT (CPU kernels only; other devices run the
 // same arithmetic as ATen operations in onebit.py).
-#include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

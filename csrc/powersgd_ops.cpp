@@ -7,6 +7,7 @@
 #include "cpu_levels.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/mm.h>
 
 #include <cstdint>
 

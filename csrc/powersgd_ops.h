@@ -15,7 +15,7 @@
 // add_ and a BLAS product already run at memory speed there once Q is stored rank-major.)
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 namespace torchstrategy {
 

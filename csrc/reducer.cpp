@@ -14,6 +14,12 @@
 #include "reducer.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
 
 #include <chrono>
 #include <cstring>

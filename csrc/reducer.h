@@ -35,7 +35,8 @@
 #include "bucket_layout.h"
 #include "compat.h"
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <cstdint>
 #include <memory>

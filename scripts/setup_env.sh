@@ -15,14 +15,14 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 
-# Pin torch first and on its own: anything that depends on torch then sees it satisfied and
-# never pulls the multi-GB CUDA build. The build tools come with it: the extension's build
-# uses the installed torch (--no-build-isolation).
+# torch pinned in the same resolution as the rest (one pip run: one start-up and one
+# resolution instead of two): nothing that depends on torch can then pull another build
+# (the multi-GB CUDA one). The build tools come with it: the extension's build uses the
+# installed torch (--no-build-isolation).
 want_torch="torch==2.13.0 setuptools wheel ninja"
 want_deps="numpy tqdm scikit-learn"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want_torch $want_deps" ]; then
-  "$PY" -m pip install -q $want_torch
-  "$PY" -m pip install -q $want_deps
+  "$PY" -m pip install -q $want_torch $want_deps
   echo "$want_torch $want_deps" > "$STAMP"
 fi
 
