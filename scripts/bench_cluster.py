@@ -214,8 +214,9 @@ def worker(args):
         dist.barrier()
         ops.origin = time.perf_counter()
         configs["ours-hier"]()
-        total = time.perf_counter() - ops.origin
-        lines = [f"trace of one ours-hier sync on rank {rank} ({total * 1e3:.1f} ms in all):"]
+        whole = time.perf_counter() - ops.origin
+        lines = [f"trace of one ours-hier sync on rank {rank} ({whole * 1e3:.1f} ms in all; "
+                 f"the last bucket handed over is the step's flags):"]
         for event in ops.events:
             if event[0] == "handed over":
                 lines.append(f"  {event[3] * 1e3:8.1f} ms  bucket {event[1]:>2} handed over "
