@@ -73,7 +73,12 @@ class _Stages:
     """
 
     def __init__(self, layout: _Layout) -> None:
-        self._layout = layout
+        # The layout's groups, not the layout itself (which holds this object): no cycle, so
+        # the groups go when the layout is dropped at exit.
+        self._leader = layout.leader
+        self._local_group = layout.local_group
+        self._cross_group = layout.cross_group
+        self._is_leader = layout.is_leader
         # The reduces' callbacks run on the backend's threads: the queues are shared.
         self._lock = threading.Lock()
         # Pieces whose cross-machine all-reduce has not started (leaders only), and
@@ -84,15 +89,14 @@ class _Stages:
 
     def add(self, pieces: Sequence[torch.Tensor]) -> _Buffer:
         """Starts the per-machine sums of `pieces` (one buffer) and returns its handle."""
-        layout = self._layout
         buffer = _Buffer(self, len(pieces))
         for tensor in pieces:
-            piece = _Piece(tensor, dist.reduce(tensor, dst=layout.leader,
-                                               group=layout.local_group, async_op=True),
+            piece = _Piece(tensor, dist.reduce(tensor, dst=self._leader,
+                                               group=self._local_group, async_op=True),
                            buffer)
             with self._lock:
-                (self._to_cross if layout.is_leader else self._to_broadcast).append(piece)
-            if layout.is_leader:
+                (self._to_cross if self._is_leader else self._to_broadcast).append(piece)
+            if self._is_leader:
                 piece.work.get_future().then(functools.partial(self._on_reduced, piece))
         return buffer
 
@@ -113,7 +117,7 @@ class _Stages:
                 piece.landed = True
                 while self._to_cross and self._to_cross[0].landed:
                     head = self._to_cross.popleft()
-                    head.work = dist.all_reduce(head.tensor, group=self._layout.cross_group,
+                    head.work = dist.all_reduce(head.tensor, group=self._cross_group,
                                                 async_op=True)
                     self._to_broadcast.append(head)
         except BaseException as error:   # on the backend's thread: reported by `finish`
@@ -122,7 +126,6 @@ class _Stages:
     def finish(self, buffer: _Buffer, timeout: datetime.timedelta | None) -> None:
         """Drives the stages until every piece of `buffer` (and of each buffer handed over
         before it) has its broadcast started, then waits for `buffer`'s broadcasts."""
-        layout = self._layout
         try:
             with self._lock:
                 waiting = list(self._to_cross)
@@ -139,7 +142,7 @@ class _Stages:
                                        "after an earlier one failed; its group is unusable.")
                 wait_for(head.work, timeout)
                 head.buffer.broadcasts.append(dist.broadcast(
-                    head.tensor, src=layout.leader, group=layout.local_group, async_op=True))
+                    head.tensor, src=self._leader, group=self._local_group, async_op=True))
                 head.buffer.unstarted -= 1
         except BaseException:
             # A failed or timed-out stage: the group is unusable; forget what was queued so
