@@ -101,6 +101,41 @@ def test_reducer_sums_gradients_with_partial_use_and_accumulation(num_replicas):
         torch.testing.assert_close(stale_bias, torch.full((2,), 4.0 * n))
 
 
+def _flags_across_steps(uses):
+    """Synchronised steps in which `sometimes` is used on the replicas listed for the step.
+    Where every parameter got its gradient here the flags' sum is not waited for and is
+    still in flight as the next step starts (csrc/reducer.h, flags_work_); a replica that
+    left `sometimes` unused reads the sum and must find this step's."""
+    strategy = ts.MirroredStrategy()
+    rank = strategy.extended.replica_id
+    with strategy.scope():
+        always = _holder(torch.zeros(3))
+        sometimes = _holder(torch.zeros(3))
+
+    def step(users):
+        always.p.grad = None
+        sometimes.p.grad = None
+        loss = (always.p * A * (rank + 1)).sum()
+        if rank in users:
+            loss = loss + (sometimes.p * B * (rank + 1)).sum()
+        loss.backward()
+        grad = sometimes.p.grad
+        return always.p.grad.clone(), None if grad is None else grad.clone()
+
+    return from_every_replica([local(strategy.run(step, args=(users,))) for users in uses])
+
+
+def test_each_step_reads_its_own_flags_while_the_last_are_summed():
+    uses = [(0, 1), (1,), (0, 1), (), (0, 1), (1,), (1,), (0, 1)]
+    for per_step in launch(_flags_across_steps, uses, n=2):
+        for users, (always, sometimes) in zip(uses, per_step):
+            torch.testing.assert_close(always, A * 3)
+            if users:
+                torch.testing.assert_close(sometimes, B * sum(r + 1 for r in users))
+            else:
+                assert sometimes is None, users  # no replica used it: stays None
+
+
 # -- models compared with a single-process reference ------------------------------------------
 class SharedNet(nn.Module):
     """`second.weight` is the same nn.Parameter as `first.weight` (weight tying)."""
