@@ -20,7 +20,9 @@
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 
@@ -163,8 +165,11 @@ void Reducer::build(const std::vector<int64_t>& order, bool whole) {
     params_[i].mutable_grad() = buckets[bi].views[k];
   }
   // The flags travel on the first bucket's device (a model's parameters share one).
+  wait_for_flags(flags_work_);
+  wait_for_flags(spare_flags_work_);
   flags_ = at::zeros({flags}, at::TensorOptions().dtype(at::kFloat).device(
                                   buckets.empty() ? at::Device(at::kCPU) : buckets[0].device));
+  spare_flags_ = at::zeros_like(flags_);
   replaced = std::exchange(buckets_, std::move(buckets));
   slots_ = std::move(slots);
   next_launch_ = 0;
@@ -232,14 +237,22 @@ bool Reducer::finalize() {
     }
     next_launch_ = buckets_.size();
     double waited = 0.0;
-    // The flags' sum, launched after the last bucket and waited for first: a bucket that
-    // some replica launched incomplete settles by it, and a Python stage whose reduction
-    // runs when its handle is waited for (error feedback) finds them summed.
+    // The flags' sum, launched after the last bucket. On the process group it is waited
+    // for only when a bucket launched incomplete here settles by it (reducer.h, flags_work_);
+    // through `launch_bucket` it is waited for first, as a Python stage whose reduction
+    // runs when its handle is waited for (error feedback) reads them summed.
     const auto flags_start = std::chrono::steady_clock::now();
     step_bytes_ += flags_.numel() * flags_.element_size();
     if (process_group_) {
       py::gil_scoped_release no_gil;
-      compat::wait(*compat::allreduce(*process_group_, flags_));
+      // The earlier step's sum (finished long ago: a forward pass ran since), and flags_'s
+      // own when no launch swapped the buffers (no bucket this step).
+      wait_for_flags(spare_flags_work_);
+      wait_for_flags(flags_work_);
+      flags_work_ = compat::allreduce(*process_group_, flags_);
+      const bool read_here = std::any_of(buckets_.begin(), buckets_.end(),
+                                         [](const Bucket& b) { return !b.complete; });
+      if (read_here) wait_for_flags(flags_work_);
     } else {
       flags_py_work_ = launch_bucket_(-1, py::cast(flags_.alias()));
       flags_py_work_->attr("wait")();
@@ -440,6 +453,14 @@ void Reducer::launch(Bucket& b) {
     if (synced_part_[i].defined()) view.sub_(synced_part_[i]);
     if (b.averaged && !divided) view.div_(world_size_);
   }
+  if (flags_work_) {
+    // The first launch of a step while the last step's flags are still being summed:
+    // this step writes the other buffer (reducer.h, flags_work_). finalize() waited for
+    // the one before, so the spare is free.
+    std::swap(flags_, spare_flags_);
+    std::swap(flags_work_, spare_flags_work_);
+    wait_for_flags(flags_work_);  // a no-op: kept in case a failed step left it pending
+  }
   at::Tensor flag_slots = flags_.narrow(0, b.first_flag, static_cast<int64_t>(count));
   if (b.complete) {
     flag_slots.fill_(1);
@@ -463,6 +484,14 @@ void Reducer::launch(Bucket& b) {
     const int64_t index = static_cast<int64_t>(&b - buckets_.data());
     b.py_work = launch_bucket_(index, py::cast(wire.alias()));
   }
+}
+
+// Waits for a sum of the flags if one is pending, and forgets it. Called without the GIL.
+void Reducer::wait_for_flags(compat::WorkPtr& work) {
+  if (!work) return;
+  compat::WorkPtr pending = std::move(work);
+  work.reset();
+  compat::wait(*pending);
 }
 
 // After the all-reduce: every gradient some replica contributed becomes its view (which

@@ -133,7 +133,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // One "contributed" flag per parameter, bucket after bucket (BucketInfo::first_flag):
   // 1 where this replica gave the parameter a gradient in the step; once summed, how many
   // replicas did. float32, on the first bucket's device; kept outside the buckets, so that
-  // a bucket holds exactly DDP's values.
+  // a bucket holds exactly DDP's values. Summed when a bucket launched incomplete here
+  // settles and, for buckets going through `launch_bucket`, before their handles are
+  // waited for; when every bucket launched on the process group was complete here, nothing
+  // reads the sum, so it is not waited for (two buffers take turns: see flags_work_).
   at::Tensor flags() const { return flags_; }
   // True when buckets are launched on the c10d process group from C++; false when they go
   // through the cross-device ops' Python all_reduce_async.
@@ -151,6 +154,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void on_ready(int64_t index);
   void queue_finalize();
   void launch(Bucket& b);
+  void wait_for_flags(compat::WorkPtr& work);
   void settle(Bucket& b);
   at::Tensor take_kept(int64_t index);
 
@@ -166,7 +170,15 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<at::Tensor> params_;
   std::vector<compat::GradAccumulator> accumulators_;
   std::vector<Bucket> buckets_;
-  at::Tensor flags_;                   // see flags()
+  at::Tensor flags_;                   // see flags(): this step's
+  // The sum of the flags over the process group is waited for only where it is read (a
+  // bucket launched incomplete here). Otherwise it stays in flight into the next step,
+  // which writes the other buffer: the first launch of a step swaps the two when flags_'s
+  // sum is still pending, and finalize() waits for the earlier step's before it starts its
+  // own, so at most one is in flight and a buffer is never written while it is summed.
+  at::Tensor spare_flags_;
+  compat::WorkPtr flags_work_;         // flags_'s sum, started and not waited for
+  compat::WorkPtr spare_flags_work_;   // spare_flags_'s sum, started and not waited for
   std::optional<pybind11::object> flags_py_work_;  // set and cleared with the GIL held
   std::vector<std::pair<int64_t, int64_t>> slots_;  // parameter -> (bucket, slot)
   std::vector<char> local_;            // accumulated under no_sync since the last sync

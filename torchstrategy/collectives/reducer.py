@@ -48,7 +48,8 @@ last bucket (outside the buckets, which hold DDP's values and nothing else). Its
 whether *any* replica contributed; a parameter no replica used keeps its ``.grad``
 untouched (None stays None), exactly as without a strategy, and a parameter used on only
 some replicas gets the sum of theirs. When every parameter of a bucket got its gradient
-here (the usual case) the flags are not read back.
+here (the usual case) the flags are not read back, nor waited for when the core launches on
+the process group (the next step marks its own in a second buffer).
 
 Gradient accumulation. What a ``.grad`` holds before a synchronised backward was already
 summed by the previous one (or zeroed), so it is kept as it is and only this backward's
