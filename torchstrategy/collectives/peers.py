@@ -185,8 +185,13 @@ def process_group_peers(diagnose: Callable[[int], str] | None = None) -> Peers:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return alone()
-    cache = runtime.current().state("torchstrategy.collectives.peers.process-group",
-                                    _ProcessGroupPeers)
+    key = "torchstrategy.collectives.peers.process-group"
+    current = runtime.current()
+    cache = current.state(key, _ProcessGroupPeers)
+    # Dropped before the group is destroyed at exit: kept, the reference would make the
+    # group outlive its destruction into the interpreter's teardown (where gloo's threads
+    # can abort the process).
+    current.on_shutdown(key, cache.forget)
     return cache.peers(diagnose)
 
 
@@ -212,3 +217,8 @@ class _ProcessGroupPeers:
                                              device, NcclAllReduce(), diagnose=diagnose))
             self._group = group
         return self._peers
+
+    def forget(self) -> None:
+        """Drops the group and its peers (remade if asked for again)."""
+        self._group = None
+        self._peers = None
