@@ -184,13 +184,13 @@ class _Failed:
 
 
 def _scenarios(jobs):
-    """Inside a replica: runs each (name, fn, args) in turn; returns {name: result or
-    _Failed}. A scenario's result is what its function returns on replica 0 (the functions
-    gather every replica's part themselves)."""
+    """Inside a replica: runs each (name, fn) in turn; returns {name: fn() or _Failed}. A
+    scenario's result is what its function returns on replica 0 (the functions gather
+    every replica's part themselves)."""
     outcomes = {}
-    for name, fn, args in jobs:
+    for name, fn in jobs:
         try:
-            outcomes[name] = fn(*args)
+            outcomes[name] = fn()
         except Exception:
             outcomes[name] = _Failed(f"replica {dist.get_rank()}: {traceback.format_exc()}")
     return outcomes
@@ -207,17 +207,18 @@ def _outcome(outcomes, name):
 
 def _first_job(directory):
     return _scenarios(
-        [(name, _train, (make(),)) for name, make in _COMPRESSIONS.items()]
-        + [(f"bf16_{name}", _bf16_mean, (make(),)) for name, make in _BF16_COMPRESSIONS.items()]
-        + [("backup_uninterrupted", _backup_run, (os.path.join(directory, "a"), None)),
-           ("backup_preempted", _backup_run, (os.path.join(directory, "b"), 4))])
+        [(name, lambda make=make: _train(make())) for name, make in _COMPRESSIONS.items()]
+        + [(f"bf16_{name}", lambda make=make: _bf16_mean(make()))
+           for name, make in _BF16_COMPRESSIONS.items()]
+        + [("backup_uninterrupted", lambda: _backup_run(os.path.join(directory, "a"), None)),
+           ("backup_preempted", lambda: _backup_run(os.path.join(directory, "b"), 4))])
 
 
 def _resume_job(directory, saved):
     return _scenarios(
-        [(f"resume_{name}", _train, (make(), saved[name])) for name, make in _COMPRESSIONS.items()
-         if saved[name] is not None]
-        + [("backup_resumed", _backup_run, (os.path.join(directory, "b"), None))])
+        [(f"resume_{name}", lambda make=make, name=name: _train(make(), saved[name]))
+         for name, make in _COMPRESSIONS.items() if saved[name] is not None]
+        + [("backup_resumed", lambda: _backup_run(os.path.join(directory, "b"), None))])
 
 
 @pytest.fixture(scope="module")
