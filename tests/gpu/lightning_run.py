@@ -4,10 +4,10 @@ tests/gpu/test_lightning_cuda.py:
     python tests/gpu/lightning_run.py --strategy mirrored|ddp --accelerator gpu|cpu --out F
 
 Deterministic (``Trainer(deterministic=True)``, seeded shuffling), so two strategies that
-train the same way save the same values. ``use_distributed_sampler=False``: at devices=1
-Lightning gives DDP a DistributedSampler (DDPStrategy is always "distributed") but not our
-strategy (``is_distributed`` is ``world_size > 1``), so the two would shuffle differently;
-the comparison is of the training, with the loader's own shuffling on both sides.
+train the same way save the same values. ``use_distributed_sampler=False``: the
+comparison is of the training, with the loader's own shuffling on both sides (at devices=1
+Lightning would give both strategies a DistributedSampler, since both report
+``is_distributed``; leaving it out keeps the data order independent of that).
 """
 import argparse
 
