@@ -66,7 +66,10 @@ def test_gpt2_shape_on_a_2_gbit_link_chooses_compression():
                                                    ts.PowerSGD(rank=4)))
     choice = choose_compression(slow, with_powersgd)
     assert choice.compression == ts.PowerSGD(rank=4)
-    assert dict(choice.predicted_seconds)["PowerSGD(rank=4, warmup_steps=0, seed=0)"] < 1.0
+    # Chosen because it is predicted fastest: below bf16's prediction, itself below none's.
+    predicted = dict(choice.predicted_seconds)
+    assert predicted["PowerSGD(rank=4, warmup_steps=0, seed=0)"] < predicted["bf16"] \
+        < predicted["none"], predicted
 
 
 def test_loopback_keeps_the_uncompressed_reduction():
