@@ -90,6 +90,17 @@ def test_a_tiny_model_keeps_the_uncompressed_reduction_even_on_a_slow_link():
     assert choice.compression is None, choice.describe()
 
 
+def test_a_wait_that_is_not_transfer_keeps_the_uncompressed_reduction():
+    # Figures of a loaded 2-core machine (the loopback test's run beside another test): a
+    # tiny model's 3.5 ms wait is a late replica, not bytes; Int8 would wait for it too.
+    late = figures(TINY_GRADIENTS, step=0.0047, exposed=0.0035, link_gbit=10.78,
+                   latency=308e-6, copy_gb=17.9, int8_gb=0.42, buckets=1)
+    choice = choose_compression(late, ts.AutoCompression())
+    assert choice.compression is None, choice.describe()
+    predicted = dict(choice.predicted_seconds)
+    assert predicted["Int8(chunk_size=1024, warmup_steps=0)"] > predicted["none"], predicted
+
+
 def test_int8_where_its_kernels_are_fast_and_the_link_slow():
     # A GPU-like replica (Int8 at 50 GB/s) on 0.5 Gbit/s: a quarter of the bytes wins.
     slow = figures(GPT2_GRADIENTS, step=4.0, exposed=3.4, link_gbit=0.5, int8_gb=50.0,

@@ -20,7 +20,9 @@ second each way per replica, `c` bytes a second of memory copy on one core):
   from every replica ``a + (N - 1) x / b`` (what `Int8` does).
 - Uncompressed: the step measured (`step_seconds`). Of it, `exposed_seconds` was spent
   waiting for the all-reduce after backward (the least over replicas: a faster replica
-  also waits for the slower one); ``local = step - exposed`` is the compute.
+  also waits for the slower one); ``local = step - exposed`` is the compute. The part of
+  `exposed` beyond the modelled all-reduce of the bytes (a late replica, a busy core) is
+  no transfer a compression can shorten: the modes reducing after backward keep it.
 - bf16 / fp16 overlap backward like the default, so halving the bytes can only shorten
   the wait: ``step - min(exposed, transfer of the bytes no longer sent) + cast``, the
   cast costing `WIRE_CAST_COPIES` copies of the bytes cast. (Predicting from the bytes
@@ -177,8 +179,14 @@ def predict_step_seconds(candidate: Candidate, figures: MeasuredFigures) -> floa
     """
     if candidate is None:
         return figures.step_seconds
-    local = max(figures.step_seconds - figures.exposed_seconds, 0.0)
     buckets = max(figures.num_buckets, 1)
+    # Of the measured wait, the part that moving the bytes does not explain (a replica
+    # arriving late, a busy core) is waited for by any reduction after backward too: it
+    # stays in those modes' predictions instead of counting as compute they would save.
+    # (The buckets' all-reduces and the flags' one bound the uncompressed transfer.)
+    unexplained = max(figures.exposed_seconds -
+                      _ring_seconds(figures.gradient_bytes, figures, buckets + 1), 0.0)
+    local = max(figures.step_seconds - figures.exposed_seconds, 0.0) + unexplained
     copy_rate = figures.copy_bytes_per_second
     if isinstance(candidate, str):
         wire_bytes = cast_bytes = 0
