@@ -327,6 +327,7 @@ class GradientReducer:
         choice = self._auto.on_synced_step(exposed, self._params, len(self._layout))
         if choice is None:
             return
+        self._after_sync.remove(self._auto_step)   # chosen: no call on later steps
         if choice.compression is not None:
             self._use_compression(choice.compression)
         pending, self._pending_state = self._pending_state, None

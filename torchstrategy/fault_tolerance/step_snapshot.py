@@ -30,6 +30,48 @@ import torch
 from torchstrategy import module_state
 
 
+def _modules_and_optimizers(objects: Mapping[str, Any]
+                            ) -> tuple[list[torch.nn.Module], list[torch.optim.Optimizer]]:
+    """The modules and the optimizers of `objects`, each in the order given.
+
+    Raises:
+      TypeError: an object that is neither, naming it.
+    """
+    modules: list[torch.nn.Module] = []
+    optimizers: list[torch.optim.Optimizer] = []
+    for name, obj in objects.items():
+        if isinstance(obj, torch.nn.Module):
+            modules.append(obj)
+        elif isinstance(obj, torch.optim.Optimizer):
+            optimizers.append(obj)
+        else:
+            raise TypeError(
+                f"live recovery keeps the state of modules and optimizers; {name!r} is "
+                f"a {type(obj).__name__}. Pass the model(s) and optimizer(s) the step "
+                "changes (state the step does not change needs no copy).")
+    return modules, optimizers
+
+
+class _RandomState:
+    """torch's CPU random generator and, once CUDA is initialised, the current device's:
+    `take` copies them, `restore` puts the copies back."""
+
+    def __init__(self) -> None:
+        self._cpu: torch.Tensor | None = None
+        self._cuda: torch.Tensor | None = None
+
+    def take(self) -> None:
+        self._cpu = torch.get_rng_state()
+        self._cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and \
+            torch.cuda.is_initialized() else None
+
+    def restore(self) -> None:
+        if self._cpu is not None:
+            torch.set_rng_state(self._cpu)
+        if self._cuda is not None:
+            torch.cuda.set_rng_state(self._cuda)
+
+
 class StepSnapshot:
     """Copies of the state of `objects` (modules and optimizers, by name), taken by `take`
     and put back by `restore`.
@@ -45,26 +87,14 @@ class StepSnapshot:
     """
 
     def __init__(self, objects: Mapping[str, Any]) -> None:
-        self._modules: list[torch.nn.Module] = []
-        self._optimizers: list[torch.optim.Optimizer] = []
-        for name, obj in objects.items():
-            if isinstance(obj, torch.nn.Module):
-                self._modules.append(obj)
-            elif isinstance(obj, torch.optim.Optimizer):
-                self._optimizers.append(obj)
-            else:
-                raise TypeError(
-                    f"live recovery keeps the state of modules and optimizers; {name!r} is "
-                    f"a {type(obj).__name__}. Pass the model(s) and optimizer(s) the step "
-                    "changes (state the step does not change needs no copy).")
+        self._modules, self._optimizers = _modules_and_optimizers(objects)
         # tensor -> its copy, by identity; buffers reused from step to step.
         self._copies: module_state.IdentityMap[torch.Tensor, torch.Tensor] = \
             module_state.IdentityMap()
         self._grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._optimizer_state: list[dict[Any, dict[str, Any]]] = []
         self._hyper: list[list[dict[str, Any]]] = []
-        self._rng: torch.Tensor | None = None
-        self._cuda_rng: torch.Tensor | None = None
+        self._random = _RandomState()
 
     def _keep(self, tensor: torch.Tensor) -> torch.Tensor:
         saved = self._copies.get(tensor)
@@ -100,9 +130,7 @@ class StepSnapshot:
                 self._hyper.append([{key: copy.deepcopy(value)
                                      for key, value in group.items() if key != "params"}
                                     for group in optimizer.param_groups])
-        self._rng = torch.get_rng_state()
-        self._cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() and \
-            torch.cuda.is_initialized() else None
+        self._random.take()
 
     def parameters_changed(self) -> bool:
         """Whether a parameter of the modules differs from its copy taken by `take`."""
@@ -147,10 +175,7 @@ class StepSnapshot:
                             live[key] = copy.deepcopy(value)
                 for group, saved_group in zip(optimizer.param_groups, hyper):
                     group.update(copy.deepcopy(saved_group))
-        if self._rng is not None:
-            torch.set_rng_state(self._rng)
-        if self._cuda_rng is not None:
-            torch.cuda.set_rng_state(self._cuda_rng)
+        self._random.restore()
 
 
 class StepStart:
@@ -181,17 +206,13 @@ class StepStart:
         self._optimizers: list[torch.optim.Optimizer] = []
         seen: module_state.IdentityMap[torch.Tensor, bool] = module_state.IdentityMap()
         for name, obj in objects.items():
-            if isinstance(obj, torch.nn.Module):
-                self._kept_buffers.extend(obj.buffers())
-                params = list(obj.parameters())
-            elif isinstance(obj, torch.optim.Optimizer):
-                self._optimizers.append(obj)
-                params = [p for group in obj.param_groups for p in group["params"]]
-            else:
-                raise TypeError(
-                    f"live recovery keeps the state of modules and optimizers; {name!r} is "
-                    f"a {type(obj).__name__}. Pass the model(s) and optimizer(s) the step "
-                    "changes (state the step does not change needs no copy).")
+            modules, optimizers = _modules_and_optimizers({name: obj})
+            self._optimizers.extend(optimizers)
+            params = [p for module in modules for p in module.parameters()] + \
+                [p for optimizer in optimizers for group in optimizer.param_groups
+                 for p in group["params"]]
+            for module in modules:
+                self._kept_buffers.extend(module.buffers())
             for param in params:
                 if seen.get(param) is None:
                     seen[param] = True
@@ -202,8 +223,7 @@ class StepStart:
             module_state.IdentityMap()
         self._grads: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._hyper: list[list[dict[str, Any]]] = []
-        self._rng: torch.Tensor | None = None
-        self._cuda_rng: torch.Tensor | None = None
+        self._random = _RandomState()
 
     @property
     def parameters(self) -> list[torch.Tensor]:
@@ -232,9 +252,7 @@ class StepStart:
                          for key, value in group.items() if key != "params"}
                         for group in optimizer.param_groups]
                        for optimizer in self._optimizers]
-        self._rng = torch.get_rng_state()
-        self._cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() and \
-            torch.cuda.is_initialized() else None
+        self._random.take()
 
     def restore(self) -> None:
         """Puts back what `take` copied (see the class docstring)."""
@@ -249,7 +267,4 @@ class StepStart:
             for group, saved_group in zip(optimizer.param_groups, hyper):
                 group.update({key: value.clone() if isinstance(value, torch.Tensor)
                               else value for key, value in saved_group.items()})
-        if self._rng is not None:
-            torch.set_rng_state(self._rng)
-        if self._cuda_rng is not None:
-            torch.cuda.set_rng_state(self._cuda_rng)
+        self._random.restore()
