@@ -29,10 +29,16 @@ namespace torchstrategy::compat {
 
 // -- autograd internals ------------------------------------------------------------------
 
-using GradAccumulator = c10::intrusive_ptr<torch::autograd::Node>;
+// The owning pointer torch hands out for an autograd node: c10::intrusive_ptr in torch
+// 2.13, std::shared_ptr in 2.11 (found by the first GPU build, torch 2.11+cu130). Taken
+// from the function's own return type so that both build; csrc/ only dereferences it and
+// keeps it alive.
+using GradAccumulator = decltype(torch::autograd::impl::grad_accumulator(
+    std::declval<const at::Tensor&>()));
 
 // The AccumulateGrad node of a leaf (created if need be); null for a non-leaf.
-// torch::autograd::impl::grad_accumulator (torch/csrc/autograd/variable.h), torch 2.13.0.
+// torch::autograd::impl::grad_accumulator (torch/csrc/autograd/variable.h), torch 2.13.0
+// and 2.11.
 inline GradAccumulator grad_accumulator(const at::Tensor& leaf) {
   return torch::autograd::impl::grad_accumulator(leaf);
 }

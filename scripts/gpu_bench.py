@@ -430,8 +430,10 @@ def bench_mirrored(device: torch.device, tiny: bool, rounds: int, reps: int,
 def bench_sharded(device: torch.device, tiny: bool, rounds: int, reps: int) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard   # FSDP2 imported only for this kind
 
-    strategy = ts.ShardedStrategy() if device.type == "cuda" else \
-        ts.ShardedStrategy(devices=["cpu:0"])
+    # FSDP2's own reduction on both sides (the hand-written loop below has no mask of the
+    # parameters each replica used): like for like, and it runs on torch 2.11 too.
+    strategy = ts.ShardedStrategy(same_parameters_every_step=True) if device.type == "cuda" \
+        else ts.ShardedStrategy(devices=["cpu:0"], same_parameters_every_step=True)
     ext = strategy.extended
     here = ext.torch_device
     assert here is not None and here.type == device.type, \

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchstrategy as ts
+from torchstrategy.strategies.sharding import plan
 
 SEED = 5
 STEPS = 4
@@ -317,7 +318,11 @@ def sharded_against_fsdp2(pretrained_path):
     reduction) from the same values; returns every state compared."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard   # FSDP2
 
-    strategy = ts.ShardedStrategy(mixed_precision=torch.bfloat16)
+    # The default where this torch's FSDP2 supports it (2.13); the GPU machine's 2.11 does
+    # not, and the model uses the same parameters every step either way.
+    strategy = ts.ShardedStrategy(
+        mixed_precision=torch.bfloat16,
+        same_parameters_every_step=not plan.fsdp_reduces_unused_parameters())
     ext = strategy.extended
     device = ext.torch_device
     deterministic(device)

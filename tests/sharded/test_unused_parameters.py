@@ -203,3 +203,13 @@ def test_the_declaration_is_a_bool():
     with pytest.raises(TypeError, match=r"same_parameters_every_step='yes'\): give True or "
                                          r"False"):
         ts.ShardedStrategy(same_parameters_every_step="yes")
+
+
+def test_a_torch_without_unused_parameter_reduction_is_refused_naming_the_fix(monkeypatch):
+    # torch 2.11's FSDP2 (the GPU machine's) has no set_reduce_scatter_unused_params:
+    # the default would sum mismatched slices, so it is refused before any process starts.
+    from torch.distributed.fsdp import FSDPModule
+    monkeypatch.delattr(FSDPModule, "set_reduce_scatter_unused_params")
+    with pytest.raises(RuntimeError, match=r"lacks \(torch 2.11 has none; 2.13 has it\)\. "
+                                           r"Fix: pass same_parameters_every_step=True"):
+        ts.ShardedStrategy(devices=["cpu:0"])

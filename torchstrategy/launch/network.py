@@ -30,6 +30,7 @@ import re
 import socket
 import struct
 import threading
+import time
 from typing import MutableMapping
 
 import torch.distributed as dist
@@ -257,6 +258,9 @@ def advertised_address(environ: MutableMapping[str, str] | None = None) -> str:
 # -- when the machines cannot connect ------------------------------------------------------
 # Where replica N records, before creating the process group, the address it advertises.
 ADVERTISED_KEY = "torchstrategy/network/advertised/{}"
+# How many replicas have read every address: the store's host (rank 0 under TF_CONFIG and
+# srun) must not exit with its error before the others have read theirs from it.
+_READ_COUNT_KEY = "torchstrategy/network/read"
 # How long the diagnosis may spend reading the store (its host may be unreachable too).
 _READ_SECONDS = 5.0
 _ADDRESS_IN_ERROR = re.compile(r"\[?(\d{1,3}(?:\.\d{1,3}){3})\]?:(\d+)")
@@ -314,6 +318,9 @@ def exchange_addresses(store: dist.Store, rank: int, node_rank: int, world_size:
     hostnames = {a.hostname for a in listing.values()}
     unreachable = [a for a in listing.values() if is_loopback(a.ip)]
     if unreachable and len(hostnames) > 1:
+        # Every replica raises this same error; none may take the store down with it
+        # while another still reads (that one would only see a broken pipe).
+        _wait_until_every_replica_has_read(store, world_size)
         raise RuntimeError(
             f"torchstrategy: the replicas run on {len(hostnames)} machines, but "
             f"{'; '.join(str(a) for a in unreachable)} advertise(s) a loopback address, "
@@ -322,6 +329,28 @@ def exchange_addresses(store: dist.Store, rank: int, node_rank: int, world_size:
             "other on (`ip -br addr`), or unset them to let torchstrategy pick it, or map "
             "each hostname to the machine's own address in /etc/hosts.")
     return listing
+
+
+def _wait_until_every_replica_has_read(store: dist.Store, world_size: int) -> None:
+    """Counts this replica as having read every address, then waits (at most
+    `_READ_SECONDS`) until all `world_size` replicas have; returns early if the store
+    stops answering."""
+
+    def count_and_wait() -> None:
+        try:
+            count = store.add(_READ_COUNT_KEY, 1)
+            deadline = time.monotonic() + _READ_SECONDS
+            while count < world_size and time.monotonic() < deadline:
+                time.sleep(0.05)
+                count = store.add(_READ_COUNT_KEY, 0)
+        except (RuntimeError, OSError, ValueError):
+            pass
+
+    # In a thread: a store whose host is gone may block a call until its own timeout.
+    waiter = threading.Thread(target=count_and_wait, name="torchstrategy-network-read",
+                              daemon=True)
+    waiter.start()
+    waiter.join(_READ_SECONDS + 1.0)
 
 
 def _read_advertised(store: dist.Store, world_size: int) -> dict[int, Advertised] | None:

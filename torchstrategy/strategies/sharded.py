@@ -98,7 +98,9 @@ class ShardedStrategy(DataParallelStrategy):
         all-reduce of 4 bytes per parameter before each optimizer step); the gradients
         are one device's. True: your word that every replica uses the same parameters in
         every step; FSDP2's own reduction, without that all-reduce. A replica that then
-        used other parameters gets wrong gradients. See docs/sharded.md.
+        used other parameters gets wrong gradients. False needs a torch whose FSDP2 has
+        ``set_reduce_scatter_unused_params`` (2.13 has it, 2.11 not); without it the
+        strategy is refused, naming True as the fix. See docs/sharded.md.
       cluster_resolver / communication_options: as for MultiWorkerMirroredStrategy
         (``implementation`` and ``timeout_seconds`` are honoured; ``bytes_per_pack`` and
         ``compression`` are refused: FSDP2 communicates per unit).
@@ -131,6 +133,15 @@ class ShardedStrategy(DataParallelStrategy):
         if not isinstance(same_parameters_every_step, bool):
             raise TypeError(f"ShardedStrategy(same_parameters_every_step="
                             f"{same_parameters_every_step!r}): give True or False.")
+        if not same_parameters_every_step and not plan.fsdp_reduces_unused_parameters():
+            # Without it two replicas that used different parameters would sum mismatched
+            # slices of their gradient buffers: refused rather than silently wrong.
+            raise RuntimeError(
+                f"ShardedStrategy(same_parameters_every_step=False) needs FSDP2's "
+                f"FSDPModule.set_reduce_scatter_unused_params, which torch {torch.__version__} "
+                "lacks (torch 2.11 has none; 2.13 has it). Fix: pass "
+                "same_parameters_every_step=True if every replica uses the same parameters "
+                "in every step (FSDP2's own reduction), or install a torch that has it.")
         if not isinstance(activation_checkpointing, bool):
             raise TypeError(f"ShardedStrategy(activation_checkpointing="
                             f"{activation_checkpointing!r}): give True or False.")

@@ -10,11 +10,19 @@ from typing import Any, Iterable, Sequence, Union
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
+                                    OffloadPolicy)
 
 # What names a unit in ``shard_modules``: an ``nn.Module`` subclass, or a module's
 # qualified name or class name.
 ModuleEntry = Union[type[nn.Module], str]
+
+
+def fsdp_reduces_unused_parameters() -> bool:
+    """Whether this torch's FSDP2 can reduce-scatter a zero gradient for a parameter a
+    replica did not use (``FSDPModule.set_reduce_scatter_unused_params``: torch 2.13 has it,
+    2.11 does not), which ``same_parameters_every_step=False`` relies on."""
+    return hasattr(FSDPModule, "set_reduce_scatter_unused_params")
 
 
 def mixed_precision_policy(mixed_precision: torch.dtype | str | MixedPrecisionPolicy | None
