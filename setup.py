@@ -43,7 +43,7 @@ def _extension():
     cuda = sorted(glob.glob(os.path.join(here, "csrc", "*.cu")))
     cpp = [os.path.relpath(p, here) for p in cpp]
     cuda = [os.path.relpath(p, here) for p in cuda]
-    cxx_flags = ["-O3", "-std=c++17"]
+    cxx_flags = ["-O3"]
     if cuda and _nvcc_matches_torch(torch):
         return CUDAExtension("torchstrategy._C", cpp + cuda,
                              define_macros=[("TORCHSTRATEGY_WITH_CUDA", "1")],

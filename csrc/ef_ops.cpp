@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full_like.h>
 #include <ATen/ops/round.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
@@ -115,7 +116,11 @@ void ef_quantize_int8_generic(const at::Tensor& grad, at::Tensor residual, at::T
   const int64_t chunks = (n + chunk - 1) / chunk;
   residual.add_(grad.reshape({n}).to(at::kFloat));
   at::Tensor padded = at::constant_pad_nd(residual, {0, chunks * chunk - n}, 0.0);
-  at::Tensor scale = padded.view({chunks, chunk}).abs().amax(1).div(127.0f);
+  at::Tensor absmax = padded.view({chunks, chunk}).abs().amax(1);
+  // Divided by a tensor of 127s, not by the scalar: CUDA divides by a scalar as a multiply
+  // by its reciprocal (one ulp off the CPU kernel's absmax / 127.0f in some chunks; found
+  // on the first H100 run), while tensor by tensor division is IEEE's, as on the CPU.
+  at::Tensor scale = absmax.div(at::full_like(absmax, 127.0f));
   scales.copy_(scale);
   at::Tensor per_element = scale.repeat_interleave(chunk).narrow(0, 0, n);
   at::Tensor level = at::where(per_element.gt(0), at::round(residual.div(per_element)),

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
@@ -177,4 +178,7 @@ def test_without_cuda_the_gpu_parts_are_skipped_and_the_cpu_parts_run(tmp_path):
     md = open(out / "report.md").read()
     assert "- CUDA: skipped: --no-cuda was given" in md
     assert "| memcheck | skipped |" in md and "| bench-cpu | passed |" in md
-    assert os.path.exists(out / "logs" / "tests.log")
+    # Every part's log in one archive (the device tool brings back 8 files at most).
+    with tarfile.open(out / "logs.tar.gz") as archive:
+        assert "logs/tests.log" in archive.getnames()
+    assert not os.path.exists(out / "logs")
