@@ -101,7 +101,15 @@ class _Stages:
         return buffer
 
     def _on_reduced(self, piece: _Piece, future: torch.futures.Future[object]) -> None:
-        """The completion callback of `piece`'s reduce (leaders; the backend's thread)."""
+        """The completion callback of `piece`'s reduce (leaders; the backend's thread).
+
+        It runs with the GIL on the local group's worker thread, which holds none of its
+        own queue's locks while it runs callbacks, and it starts a collective on another
+        group: safe, because c10d's Python bindings release the GIL before a collective
+        takes its group's queue lock (`py::call_guard<py::gil_scoped_release>` on every
+        collective in torch/csrc/distributed/c10d/init.cpp), so this thread never holds the
+        GIL while waiting for a lock that a worker thread holds while waiting for the GIL
+        (the inversion csrc/reducer.h guards against in its own C++ calls)."""
         try:
             future.wait()                  # a failed sum crosses nothing
         except BaseException as error:
