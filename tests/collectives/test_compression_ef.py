@@ -128,8 +128,12 @@ def _train(compression, load=None):
             saved = {"model": {k: v.clone() for k, v in model.state_dict().items()},
                      "reducer": reducer.state_dict(), "step": step + 1}
     stats = strategy.extended.stats()
+    # The "contributed" flags of the last step, as the stages read them (white-box: the
+    # reducer's core holds them).
+    flags = reducer._core.flags().tolist()
     return from_every_replica((records, saved, [p.detach().clone() for p in params],
-                               reducer.state_dict()["error_feedback"][r], tuple(stats)))
+                               reducer.state_dict()["error_feedback"][r], tuple(stats),
+                               flags))
 
 
 def _reference_powersgd(records, rank, warmup, seed):
@@ -356,6 +360,14 @@ def test_int8_error_feedback_keeps_what_was_not_sent(int8_run):
             previous[r] = residual
         for got, want in zip(records[0][step][1], total):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_each_flag_counts_the_replicas_that_contributed(powersgd_run, int8_run):
+    # Summed once, by the reducer, before the stage runs: 2 replicas, every parameter used
+    # on both. (The stages used to sum them a second time: 4, and one more collective.)
+    for run in (powersgd_run, int8_run):
+        for replica in run:
+            assert replica[5] == [2.0] * len(replica[2]), replica[5]
 
 
 def test_stats_count_the_bytes_sent(powersgd_run, int8_run):

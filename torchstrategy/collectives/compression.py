@@ -48,7 +48,7 @@ class GradBucket:
         this replica contributed a gradient to parameter k. The reducer sums them once per
         step, after launching the last bucket and before waiting for any: a stage whose
         reduction runs when waited for (error feedback) reads them summed, and a parameter
-        some replica contributed to has a flag > 0 (a stage may sum them again).
+        some replica contributed to has a flag > 0. Stages read them; none sums them again.
     """
 
     index: int

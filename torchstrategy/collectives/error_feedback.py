@@ -15,8 +15,8 @@ Per bucket, with world size N and ``flags`` the bucket's per-parameter contribut
 
 - Warm-up (the first ``warmup_steps`` synchronised steps): the bucket is all-reduced as it
   is, exactly as without compression.
-- `PowerSGD`: the uncompressed gradients (vectors, small matrices) and the flags are
-  packed into one buffer and all-reduced first; then, for every matrix some replica
+- `PowerSGD`: the uncompressed gradients (vectors, small matrices) are packed into one
+  buffer and all-reduced first; then, for every matrix some replica
   contributed, M = gradient + residual, P = M Q is all-reduced (all matrices in one buffer),
   orthonormalised (``torch.linalg.qr``), Q_local = M^T P, residual = M - P Q_local^T, and
   Q_local is all-reduced (one buffer): the bucket gets P Q^T, the sum over replicas of
@@ -27,7 +27,7 @@ Per bucket, with world size N and ``flags`` the bucket's per-parameter contribut
   replicas, and since P and Q depend on the replicas' M only through their sum, both
   apply the same gradients (a test checks it; the convergence script's
   ``ddp-powersgd`` run compares the losses with the DDP hook's).
-- `Int8`: the flags are all-reduced; the bucket (gradient + residual, float) is quantised
+- `Int8`: the bucket (gradient + residual, float) is quantised
   per chunk (``_ops.ef_quantize_int8``, csrc/ef_ops.cpp), levels and scales are gathered
   from every replica and summed in replica order (``_ops.dequantize_sum``).
 
@@ -161,18 +161,19 @@ class ErrorFeedbackStage:
     # -- PowerSGD -----------------------------------------------------------------------
     def _power_sgd(self, algo: PowerSGD, bucket: GradBucket) -> None:
         flat, group = bucket.buffer, self._group
-        flags = bucket.flags
         matrix = [algo.compresses(p.shape) for p in bucket.parameters]
         self._compressed_in_step |= any(matrix)
-        plain = [bucket.gradient(k) for k, m in enumerate(matrix) if not m] + [flags]
+        # The flags arrive summed (the reducer sums them before waiting for this stage).
+        plain = [bucket.gradient(k) for k, m in enumerate(matrix) if not m]
         numels = [t.numel() for t in plain]
         offsets = [sum(numels[:k]) for k in range(len(numels))]
-        buffer = torch.empty(sum(numels), dtype=flat.dtype, device=flat.device)
-        _ops.pack(buffer, plain, offsets, numels)
-        dist.all_reduce(buffer, group=group)
-        self._sent(buffer)
-        _ops.unpack(buffer, plain, offsets)
-        used = (flags > 0).tolist()
+        if plain:   # every replica lays the bucket out alike: all skip it or none
+            buffer = torch.empty(sum(numels), dtype=flat.dtype, device=flat.device)
+            _ops.pack(buffer, plain, offsets, numels)
+            dist.all_reduce(buffer, group=group)
+            self._sent(buffer)
+            _ops.unpack(buffer, plain, offsets)
+        used = (bucket.flags > 0).tolist()
 
         # Every large step below works in place on the residual's own buffer (M is built
         # there, and becomes the new residual) and writes P Q^T straight into the bucket:
@@ -252,10 +253,7 @@ class ErrorFeedbackStage:
 
     def _int8(self, algo: Int8, bucket: GradBucket) -> None:
         flat, group, size = bucket.buffer, self._group, bucket.flags_at
-        flags = bucket.flags
-        dist.all_reduce(flags, group=group)
-        self._sent(flags)
-        used = (flags > 0).tolist()
+        used = (bucket.flags > 0).tolist()   # summed by the reducer before this runs
         residual = self._bucket_residual(bucket)
         # A parameter no replica contributed sends nothing: its residual waits.
         kept = [(residual.narrow(0, o, n), residual.narrow(0, o, n).clone())

@@ -188,9 +188,7 @@ class OneBitAdamReduction:
         if t <= algo.warmup_steps:
             dist.all_reduce(data, group=group)        # the plain sum, as uncompressed
             sent(data)
-        dist.all_reduce(flags, group=group)
-        sent(flags)
-        used = (flags > 0).tolist()
+        used = (flags > 0).tolist()   # summed by the reducer before this runs
         # A parameter no replica contributed keeps its state for later.
         kept = [(views, [v.clone() for v in views]) for views in (
             [layout.exp_avg.narrow(0, o, n), layout.exp_avg_sq.narrow(0, o, n),

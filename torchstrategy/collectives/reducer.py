@@ -424,8 +424,9 @@ class GradientReducer:
         ratio = 1.0
         if self._error_feedback is not None:
             sent, uncompressed = self._error_feedback.last_bytes
-            bytes_reduced = sent
-            ratio = uncompressed / sent if sent else 1.0
+            # The stage's own sends, and the flags the reducer summed for it.
+            bytes_reduced = sent + self._core.flags().numel() * self._core.flags().element_size()
+            ratio = uncompressed / bytes_reduced if bytes_reduced else 1.0
         compression = self._compression if isinstance(self._compression, (str, type(None))) \
             else repr(self._compression)
         return ReductionStats(bytes_reduced=bytes_reduced, num_buckets=buckets,
