@@ -58,15 +58,19 @@ def _tail(path, lines=25):
 class SlurmCluster:
     """A started cluster: `env` runs its client commands; `run` runs one of them."""
 
-    def __init__(self, directory, nodes=None):
+    def __init__(self, directory, nodes=None, cpus=None):
         self.directory = directory
         # The nodes of a tests.helpers.cluster.Cluster to run on; None: this machine alone.
         self.nodes = nodes
         self.conf = os.path.join(directory, "slurm.conf")
         self.munge_socket = os.path.join(directory, "munge", "munge.socket")
-        # Two tasks at least (the tests run two replicas); slurmd accepts more CPUs than
-        # it finds with SlurmdParameters=config_overrides.
-        self.cpus = max(os.cpu_count() or 1, 2)
+        # The CPUs each node declares: by default this machine's, two at least (the tests
+        # run two replicas); more lets several jobs share a node at once. slurmd accepts
+        # more CPUs than it finds with SlurmdParameters=config_overrides.
+        if cpus is not None and (isinstance(cpus, bool) or not isinstance(cpus, int)
+                                 or cpus < 1):
+            raise ValueError(f"cpus is a positive number of CPUs per node, got {cpus!r}")
+        self.cpus = cpus if cpus is not None else max(os.cpu_count() or 1, 2)
         self.env = dict(os.environ, SLURM_CONF=self.conf)
         # The suite may itself run inside a SLURM job: its variables must not leak into
         # the private cluster's commands.
@@ -326,15 +330,16 @@ def why_not_runnable():
 
 
 @contextlib.contextmanager
-def started_cluster(directory, nodes=None):
+def started_cluster(directory, nodes=None, cpus=None):
     """A started private SLURM cluster in `directory` (on `nodes`, a list of
-    tests.helpers.cluster.Node, when given), stopped on exit with everything it started.
-    Skips the calling test, with the reason, where none can run."""
+    tests.helpers.cluster.Node, when given; each node declaring `cpus` CPUs, default this
+    machine's, two at least), stopped on exit with everything it started. Skips the calling
+    test, with the reason, where none can run."""
     reason = why_not_runnable()
     if reason is not None:
         pytest.skip(reason)
     os.chmod(directory, 0o700)
-    cluster = SlurmCluster(directory, nodes)
+    cluster = SlurmCluster(directory, nodes, cpus)
     try:
         cluster.write_config()
         cluster.start()
