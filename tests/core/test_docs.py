@@ -2,9 +2,16 @@
 
 Convention (every docs/ page follows it):
 - The fenced blocks of a page that start with ```python are concatenated, in order, and run
-  as ONE script: ``python page.py`` with this test's interpreter, in a fresh temporary
-  working directory, with TORCHSTRATEGY_TIMEOUT_SECONDS set, under a 120 s timeout. The
-  script must exit 0. Blocks fenced ```python no-run are shown, not run.
+  as ONE script, as ``python page.py`` runs it: in a new process of this test's interpreter,
+  in a fresh temporary working directory, with TORCHSTRATEGY_TIMEOUT_SECONDS set, under a
+  120 s timeout. The script must exit 0. Blocks fenced ```python no-run are shown, not run.
+
+How (for speed, issue 36): the pages' processes are forked from one interpreter that has
+imported torch, torchstrategy and the heavy libraries once (tests/helpers/warm_python.py says
+what is the same as a fresh ``python page.py`` and what is not), instead of each page paying
+those imports (several seconds each). The replicas a page starts are started by torchstrategy
+as for any program. Every process runs one intra-op thread (OMP_NUM_THREADS=1): the suite
+runs two test files at once on two cores, and a page's results do not depend on it.
 - A page whose first line is ``<!-- docs-test: xla -->`` needs torch_xla: the core suite
   skips it (the xla suite runs it).
 - Every relative link in docs/*.md and README.md must point at an existing file.
@@ -14,14 +21,13 @@ Convention (every docs/ page follows it):
 import glob
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 import torchstrategy as ts
 
 from tests.helpers import ROOT
+from tests.helpers.warm_python import WarmPython
 DOCS = os.path.join(ROOT, "docs")
 PAGE_TIMEOUT_SECONDS = 120
 XLA_MARKER = "<!-- docs-test: xla -->"
@@ -49,6 +55,7 @@ def _env():
     env = dict(os.environ)
     env.setdefault("TORCHSTRATEGY_TIMEOUT_SECONDS", "60")
     env["PYTHONUNBUFFERED"] = "1"
+    env["OMP_NUM_THREADS"] = "1"
     # A launcher's variables (pytest under torchrun) must not leak into the pages.
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                  "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHSTRATEGY_LAUNCHER",
@@ -63,9 +70,17 @@ def test_convention_extracts_blocks_in_order_and_skips_no_run():
     assert runnable_code(text) == "a = 1\n\nassert a == 1\n"
 
 
-@pytest.mark.timeout(PAGE_TIMEOUT_SECONDS + 30)
+@pytest.fixture(scope="module")
+def warm_python():
+    interpreter = WarmPython(_env())
+    interpreter.start()   # its imports: once for all pages, in no page's time
+    yield interpreter
+    interpreter.close()
+
+
+@pytest.mark.timeout(PAGE_TIMEOUT_SECONDS + 90)
 @pytest.mark.parametrize("page", pages(), ids=_page_id)
-def test_page_code_runs(page, tmp_path):
+def test_page_code_runs(page, tmp_path, warm_python):
     with open(page, encoding="utf-8") as f:
         text = f.read()
     if text.splitlines()[:1] == [XLA_MARKER]:
@@ -75,12 +90,13 @@ def test_page_code_runs(page, tmp_path):
         pytest.skip("no runnable python blocks")
     script = tmp_path / (os.path.splitext(os.path.basename(page))[0] + "_page.py")
     script.write_text(code, encoding="utf-8")
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(),
-                            capture_output=True, text=True, timeout=PAGE_TIMEOUT_SECONDS)
-    assert result.returncode == 0, (
-        f"the python blocks of docs/{os.path.basename(page)} exited with "
-        f"{result.returncode}\n--- stdout ---\n{result.stdout[-4000:]}\n"
-        f"--- stderr ---\n{result.stderr[-4000:]}")
+    returncode, stdout, stderr = warm_python.run(script, tmp_path, PAGE_TIMEOUT_SECONDS)
+    print(f"docs/{os.path.basename(page)}: {warm_python.last_cpu_seconds} CPU seconds")
+    ended = (f"ran over {PAGE_TIMEOUT_SECONDS} s and was killed" if returncode is None
+             else f"exited with {returncode}")
+    assert returncode == 0, (
+        f"the python blocks of docs/{os.path.basename(page)} {ended}\n"
+        f"--- stdout ---\n{stdout[-4000:]}\n--- stderr ---\n{stderr[-4000:]}")
 
 
 def _relative_links(path):
