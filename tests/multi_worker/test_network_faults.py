@@ -1,6 +1,6 @@
-"""Faults of the network between machines, on two nodes of a cluster of network namespaces
+"""Faults of the network between machines, on a cluster of network namespaces
 (tests/helpers/cluster.py; the nodes share this machine's file system, as a cluster's
-machines share their storage, so BackupAndRestore's directory is common to both).
+machines share their storage, so BackupAndRestore's directory is common to all).
 
 - A node's link taken down in the middle of training (``ip link set ... down`` on its
   switch port: a pulled cable): every process of both machines ends within the collective
@@ -15,9 +15,21 @@ The run with the flap is also the reference of the cut one (one launch fewer tha
 separate uninterrupted run): the two must end with the same parameters (1e-6), each being
 what an uninterrupted run computes, so a flap that lost or repeated a gradient and a
 resumption that did not restore exactly both break the equality.
+
+Cost: one module-scoped cluster of four nodes runs both scenarios at once, the cut job on
+node0/node1 and the flapped one on node2/node3 (separate links: the cut of one pair does
+not touch the other), both started together: the flapped job ends (its teardown included)
+while the cut job's processes sit idle waiting for their collective timeout, so the cut
+job's error handling and its restart do not share the cores with it.
+The timeout is the user's setting, `TIMEOUT` here: 15 s is all the behaviour needs (a 2 s
+flap far below it, a cut link ending in an error naming the machine), and still does not
+fire while a loaded 2-core machine starts the replicas. Each scenario runs in its own
+thread and records its own failure, so one that breaks does not hide the other.
 """
 import os
+import threading
 import time
+import traceback
 
 import pytest
 import torch
@@ -28,20 +40,19 @@ from tests.helpers.replicas import assert_same_tensors
 
 pytestmark = pytest.mark.multi_worker
 
-TIMEOUT = 40   # the collective timeout (and the start-up wait: imports are slow under load)
-
-
-@pytest.fixture(scope="module")
-def nodes():
-    with cluster(2, hostname_resolves_to="loopback") as made:
-        yield made
+# The collective timeout (also the bound on the machines' start-up rendezvous), as a user
+# sets it with $TORCHSTRATEGY_TIMEOUT_SECONDS.
+TIMEOUT = 15
+CUT_AT_STEP = 9       # the last backup (every 4 steps) is after step 8
+FLAP_AT_STEP = 6
+FLAP_SECONDS = 2
 
 
 def _start(nodes, outdir, **env):
     os.makedirs(outdir, exist_ok=True)
-    return start_tf_config_machines("backup", outdir, replicas=2, hosts=["node0", "node1"],
-                                    netns=nodes.nodes, TORCHSTRATEGY_TIMEOUT_SECONDS=TIMEOUT,
-                                    **env)
+    return start_tf_config_machines("backup", outdir, replicas=2,
+                                    hosts=[node.hostname for node in nodes], netns=nodes,
+                                    TORCHSTRATEGY_TIMEOUT_SECONDS=TIMEOUT, **env)
 
 
 def _finals(outdir):
@@ -65,59 +76,128 @@ def _wait_for_step(outdir, step, machines, limit=120):
     raise AssertionError(f"training did not reach step {step}")
 
 
-@pytest.fixture(scope="module")
-def flapped(nodes, tmp_path_factory):
-    """The run whose link flaps for 2 s: (exit codes, logs, each replica's result)."""
-    outdir = tmp_path_factory.mktemp("flapped")
-    node1 = nodes.nodes[1]
-    machines = _start(nodes, outdir, STEP_SLEEP=0.1)
+class _Scenario:
+    """What one scenario observed, or the error that stopped it (`failure`: a traceback)."""
+
+    def __init__(self):
+        self.failure = None
+        self.machines = []
+
+    def fail(self):
+        self.failure = traceback.format_exc()
+        for machine in self.machines:
+            machine.kill()
+
+    def check(self):
+        if self.failure is not None:
+            pytest.fail(f"the scenario failed before its checks:\n{self.failure}")
+
+
+def _cut_then_resume(made, nodes, cut, mark):
+    """The cut scenario, on `nodes` (two of `made`'s), recorded in `cut`: node1's link goes
+    down at step `CUT_AT_STEP`, every process's end is awaited (its time measured here,
+    whatever the other scenario does meanwhile), the link comes back, and the job is
+    started again and awaited."""
     try:
-        _wait_for_step(outdir, 6, machines)
-        nodes.cut(node1)
-        time.sleep(2)
-    finally:
-        nodes.restore(node1)
-    codes = wait_all(machines, timeout=240)
-    logs = [m.log() for m in machines]
-    return codes, logs, (_finals(outdir) if codes == [0, 0] else None)
+        cut.machines = _start(nodes, cut.outdir, STEP_SLEEP=0.3)
+        _wait_for_step(cut.outdir, CUT_AT_STEP, cut.machines)
+        made.cut(nodes[1])
+        cut_at = time.monotonic()
+        mark(f"node1 cut at step {CUT_AT_STEP}")
+        try:
+            cut.codes = wait_all(cut.machines, timeout=6 * TIMEOUT)
+            cut.ended_after = time.monotonic() - cut_at
+            mark("every process of the cut job ended")
+        finally:
+            made.restore(nodes[1])
+        cut.logs = [m.log() for m in cut.machines]
+        cut.left = [pid for node in nodes for pid in node.pids()]
+        # Started again with the link back: it resumes from the backup.
+        cut.machines = _start(nodes, cut.outdir, TORCHELASTIC_RESTART_COUNT=1)
+        mark("the cut job started again")
+        cut.resumed = wait_all(cut.machines, timeout=240)
+        cut.resumed_logs = [m.log() for m in cut.machines]
+        mark("the resumed job ended")
+    except Exception:
+        cut.fail()
 
 
-def test_a_two_second_flap_is_survived(flapped):
-    codes, logs, finals = flapped
-    assert codes == [0, 0], "\n\n".join(log[-3000:] for log in logs)
-    for got in finals:
+def _flap(made, nodes, flapped, outdir, mark):
+    """The flap scenario, on `nodes`, recorded in `flapped`: node3's link down for
+    `FLAP_SECONDS` at step `FLAP_AT_STEP`, then the job awaited."""
+    try:
+        flapped.machines = _start(nodes, outdir, STEP_SLEEP=0.1)
+        _wait_for_step(outdir, FLAP_AT_STEP, flapped.machines)
+        made.cut(nodes[1])
+        try:
+            time.sleep(FLAP_SECONDS)
+        finally:
+            made.restore(nodes[1])
+        mark(f"node3's {FLAP_SECONDS} s flap over")
+        flapped.codes = wait_all(flapped.machines, timeout=240)
+        flapped.logs = [m.log() for m in flapped.machines]
+        flapped.finals = _finals(outdir) if flapped.codes == [0, 0] else None
+        mark("the flapped job ended")
+    except Exception:
+        flapped.fail()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Both scenarios, run at once on one cluster: (cut, flapped) `_Scenario`s.
+
+    cut: `ended_after` (seconds from the cut to the end of every process), `codes`,
+    `logs`, `left` (processes left on node0/node1), `resumed` and `resumed_logs` (the
+    job started again), `outdir` and `timeline`; flapped: `codes`, `logs`, `finals`."""
+    cut, flapped = _Scenario(), _Scenario()
+    began = time.monotonic()
+    cut.timeline = []   # (what, seconds since the start), printed by the cut's test
+
+    def mark(what):
+        cut.timeline.append((what, time.monotonic() - began))
+
+    with cluster(4, hostname_resolves_to="loopback") as made:
+        cut.outdir = str(tmp_path_factory.mktemp("cut"))
+        cutting = threading.Thread(target=_cut_then_resume, name="cut", daemon=True,
+                                   args=(made, made.nodes[:2], cut, mark))
+        cutting.start()
+        _flap(made, made.nodes[2:], flapped, str(tmp_path_factory.mktemp("flapped")), mark)
+        cutting.join(600)
+        if cutting.is_alive():
+            cut.failure = "the cut scenario still ran after 600 s"
+            for machine in cut.machines:
+                machine.kill()
+            cutting.join(60)
+        yield cut, flapped
+
+
+def test_a_two_second_flap_is_survived(runs):
+    _, flapped = runs
+    flapped.check()
+    assert flapped.codes == [0, 0], "\n\n".join(log[-3000:] for log in flapped.logs)
+    for got in flapped.finals:
         assert got["attempt"] == 0 and not got["restored"]
 
 
-def test_a_node_cut_off_mid_training_ends_every_process_then_resumes_exactly(
-        nodes, tmp_path, flapped):
-    node1 = nodes.nodes[1]
-    machines = _start(nodes, tmp_path, STEP_SLEEP=0.3)
-    try:
-        _wait_for_step(tmp_path, 9, machines)   # the last backup: after step 8
-        nodes.cut(node1)
-        cut_at = time.monotonic()
-        codes = wait_all(machines, timeout=6 * TIMEOUT)
-        ended_after = time.monotonic() - cut_at
-    finally:
-        nodes.restore(node1)
-    logs = [m.log() for m in machines]
-    print(f"every process ended {ended_after:.1f} s after the cut (timeout {TIMEOUT} s)")
+def test_a_node_cut_off_mid_training_ends_every_process_then_resumes_exactly(runs):
+    cut, flapped = runs
+    cut.check()
+    codes, logs = cut.codes, cut.logs
+    print(f"every process ended {cut.ended_after:.1f} s after the cut (timeout {TIMEOUT} s); "
+          + ", ".join(f"{what}: {at:.0f} s" for what, at in cut.timeline))
     assert codes[0] != 0 and codes[1] != 0, logs
-    assert not any(node.pids() for node in nodes.nodes)
-    assert ended_after < 2 * TIMEOUT + 20, ended_after
+    assert not cut.left, cut.left
+    assert cut.ended_after < 2 * TIMEOUT + 20, cut.ended_after
     # node0's replicas name the machine they lost; node1's, that the chief's machine is
     # unreachable from theirs.
     assert "replica 2 (on worker:1)" in logs[0] and "not responding" in logs[0], logs[0][-4000:]
     assert "worker:0" in logs[1] and "unreachable" in logs[1], logs[1][-4000:]
     # Started again with the link back: it resumes from the backup and ends exactly as the
     # flapped run (see the module docstring).
-    machines = _start(nodes, tmp_path, TORCHELASTIC_RESTART_COUNT=1)
-    codes = wait_all(machines, timeout=240)
-    assert codes == [0, 0], "\n\n".join(m.log()[-3000:] for m in machines)
-    flap_codes, _, reference = flapped
-    assert flap_codes == [0, 0], "the flapped run failed (see its test)"
-    for rank, (resumed, expected) in enumerate(zip(_finals(tmp_path), reference)):
+    assert cut.resumed == [0, 0], "\n\n".join(log[-3000:] for log in cut.resumed_logs)
+    flapped.check()
+    assert flapped.codes == [0, 0], "the flapped run failed (see its test)"
+    for rank, (resumed, expected) in enumerate(zip(_finals(cut.outdir), flapped.finals)):
         assert resumed["attempt"] == 1 and resumed["restored"]
         assert_same_tensors(resumed["final"], expected["final"], atol=1e-6, rtol=0,
                             what=f"rank {rank}")
