@@ -78,6 +78,32 @@ def warm_python():
     interpreter.close()
 
 
+def test_pages_run_as_python_runs_a_script(warm_python, tmp_path):
+    """The forked page process behaves as ``python page.py``: a failing page fails, and
+    nothing one page does reaches the next."""
+    first = tmp_path / "first"
+    first.mkdir()
+    (first / "first_page.py").write_text(
+        "import os, sys, atexit\n"
+        "assert __name__ == '__main__' and sys.argv == [__file__]\n"
+        "assert os.getcwd() == os.path.dirname(__file__) == sys.path[0]\n"
+        "assert sys.orig_argv[1:] == [__file__]\n"
+        "os.environ['LEFT_BY_FIRST'] = '1'\n"
+        "atexit.register(print, 'atexit ran')\n"
+        "print('first ran')\n"
+        "raise SystemExit(3)\n")
+    code, stdout, _ = warm_python.run(first / "first_page.py", first, 30)
+    assert (code, stdout) == (3, "first ran\natexit ran\n")
+    second = tmp_path / "second"
+    second.mkdir()
+    (second / "second_page.py").write_text(
+        "import os\n"
+        "assert 'LEFT_BY_FIRST' not in os.environ\n"
+        "torch.ones(1)   # not imported by this page: fails, preloaded or not\n")
+    code, _, stderr = warm_python.run(second / "second_page.py", second, 30)
+    assert code == 1 and "NameError: name 'torch' is not defined" in stderr, stderr
+
+
 @pytest.mark.timeout(PAGE_TIMEOUT_SECONDS + 90)
 @pytest.mark.parametrize("page", pages(), ids=_page_id)
 def test_page_code_runs(page, tmp_path, warm_python):
