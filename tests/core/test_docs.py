@@ -6,17 +6,18 @@ Convention (every docs/ page follows it):
   in a fresh temporary working directory, with TORCHSTRATEGY_TIMEOUT_SECONDS set, under a
   120 s timeout. The script must exit 0. Blocks fenced ```python no-run are shown, not run.
 
+- A page whose first line is ``<!-- docs-test: xla -->`` needs torch_xla: the core suite
+  skips it (the xla suite runs it).
+- Every relative link in docs/*.md and README.md must point at an existing file.
+- Every name in ``torchstrategy.__all__`` must appear as ``ts.<name>`` in a row of the table
+  in docs/coming_from_tf_distribute.md.
+
 How (for speed, issue 36): the pages' processes are forked from one interpreter that has
 imported torch, torchstrategy and the heavy libraries once (tests/helpers/warm_python.py says
 what is the same as a fresh ``python page.py`` and what is not), instead of each page paying
 those imports (several seconds each). The replicas a page starts are started by torchstrategy
 as for any program. Every process runs one intra-op thread (OMP_NUM_THREADS=1): the suite
 runs two test files at once on two cores, and a page's results do not depend on it.
-- A page whose first line is ``<!-- docs-test: xla -->`` needs torch_xla: the core suite
-  skips it (the xla suite runs it).
-- Every relative link in docs/*.md and README.md must point at an existing file.
-- Every name in ``torchstrategy.__all__`` must appear as ``ts.<name>`` in a row of the table
-  in docs/coming_from_tf_distribute.md.
 """
 import glob
 import os

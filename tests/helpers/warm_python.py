@@ -7,7 +7,8 @@ as ``__main__``, in its own working directory, with its own output files, as a f
 ``python script.py`` would: ``sys.argv``, ``sys.orig_argv`` (which torchstrategy reads to
 re-execute the program for its other replicas), ``sys.path[0]`` and ``__main__`` are the
 script's; an uncaught exception prints its traceback and exits 1; ``sys.exit`` gives its code;
-atexit handlers and non-daemon threads run at the end. Each script gets a new process: what
+at the end non-daemon threads are waited for and atexit callbacks run (the modules are not
+freed one by one: see `_exit`). Each script gets a new process: what
 one script changes (strategies, ``os.environ``, signal handlers, random seeds) never reaches
 the next.
 
@@ -21,10 +22,10 @@ The preloading interpreter imports but computes nothing, so it has no threads wh
 (checked: the fork is refused otherwise).
 
 Protocol (one script at a time): a request is one JSON line on the interpreter's stdin
-``{"script", "cwd", "stdout", "stderr"}``; the interpreter answers ``ready`` once its imports are done,
-``started <pid>`` when the child runs and ``exited <code> <cpu seconds>`` when it has ended (a
-negative code: killed by that signal; the CPU time of the child and of the processes it waited
-for).
+``{"script", "cwd", "stdout", "stderr"}``; the interpreter answers ``ready`` once its imports
+are done, ``started <pid>`` when the child runs and ``exited <code> <cpu seconds>`` when it has
+ended (a negative code: killed by that signal; the CPU time of the child and of the processes
+it waited for).
 """
 import atexit
 import json
@@ -227,7 +228,8 @@ def _serve(modules):
         _answer(f"started {pid}")
         _, status, usage = os.wait4(pid, 0)
         # CPU seconds of the script and of the processes it started and waited for.
-        _answer(f"exited {os.waitstatus_to_exitcode(status)} {usage.ru_utime + usage.ru_stime:.2f}")
+        cpu_seconds = usage.ru_utime + usage.ru_stime
+        _answer(f"exited {os.waitstatus_to_exitcode(status)} {cpu_seconds:.2f}")
 
 
 if __name__ == "__main__":
