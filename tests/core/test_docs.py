@@ -5,7 +5,6 @@ Convention (every docs/ page follows it):
   as ONE script, as ``python page.py`` runs it: in a new process of this test's interpreter,
   in a fresh temporary working directory, with TORCHSTRATEGY_TIMEOUT_SECONDS set, under a
   120 s timeout. The script must exit 0. Blocks fenced ```python no-run are shown, not run.
-
 - A page whose first line is ``<!-- docs-test: xla -->`` needs torch_xla: the core suite
   skips it (the xla suite runs it).
 - Every relative link in docs/*.md and README.md must point at an existing file.
