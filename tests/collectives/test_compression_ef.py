@@ -258,7 +258,7 @@ def resume_launch(first_launch):
 def _check_error_feedback_identity(run):
     """Applied sums over steps plus every replica's final residual = true sums over steps."""
     records = [rec for rec, *_ in run]
-    residuals = [state["residuals"] for *_, state, _ in run]
+    residuals = [replica[3]["residuals"] for replica in run]   # the final reducer state
     n_params = len(records[0][0][0])
     for i in range(n_params):
         true = sum(records[r][t][0][i] for r in range(len(run)) for t in range(STEPS))
