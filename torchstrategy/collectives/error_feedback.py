@@ -163,7 +163,6 @@ class ErrorFeedbackStage:
         flat, group = bucket.buffer, self._group
         matrix = [algo.compresses(p.shape) for p in bucket.parameters]
         self._compressed_in_step |= any(matrix)
-        # The flags arrive summed (the reducer sums them before waiting for this stage).
         plain = [bucket.gradient(k) for k, m in enumerate(matrix) if not m]
         numels = [t.numel() for t in plain]
         offsets = [sum(numels[:k]) for k in range(len(numels))]
@@ -173,7 +172,7 @@ class ErrorFeedbackStage:
             dist.all_reduce(buffer, group=group)
             self._sent(buffer)
             _ops.unpack(buffer, plain, offsets)
-        used = (bucket.flags > 0).tolist()
+        used = (bucket.flags > 0).tolist()   # summed by the reducer before this runs
 
         # Every large step below works in place on the residual's own buffer (M is built
         # there, and becomes the new residual) and writes P Q^T straight into the bucket:

@@ -425,7 +425,8 @@ class GradientReducer:
         if self._error_feedback is not None:
             sent, uncompressed = self._error_feedback.last_bytes
             # The stage's own sends, and the flags the reducer summed for it.
-            bytes_reduced = sent + self._core.flags().numel() * self._core.flags().element_size()
+            flags = self._core.flags()
+            bytes_reduced = sent + flags.numel() * flags.element_size()
             ratio = uncompressed / bytes_reduced if bytes_reduced else 1.0
         compression = self._compression if isinstance(self._compression, (str, type(None))) \
             else repr(self._compression)

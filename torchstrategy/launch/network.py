@@ -35,6 +35,8 @@ from typing import MutableMapping
 
 import torch.distributed as dist
 
+from torchstrategy.launch import rendezvous
+
 logger = logging.getLogger("torchstrategy")
 
 # The variables by which a user chooses the interface (torch's gloo, NCCL).
@@ -334,23 +336,16 @@ def exchange_addresses(store: dist.Store, rank: int, node_rank: int, world_size:
 def _wait_until_every_replica_has_read(store: dist.Store, world_size: int) -> None:
     """Counts this replica as having read every address, then waits (at most
     `_READ_SECONDS`) until all `world_size` replicas have; returns early if the store
-    stops answering."""
-
-    def count_and_wait() -> None:
-        try:
-            count = store.add(_READ_COUNT_KEY, 1)
-            deadline = time.monotonic() + _READ_SECONDS
-            while count < world_size and time.monotonic() < deadline:
-                time.sleep(0.05)
-                count = store.add(_READ_COUNT_KEY, 0)
-        except (RuntimeError, OSError, ValueError):
-            pass
-
-    # In a thread: a store whose host is gone may block a call until its own timeout.
-    waiter = threading.Thread(target=count_and_wait, name="torchstrategy-network-read",
-                              daemon=True)
-    waiter.start()
-    waiter.join(_READ_SECONDS + 1.0)
+    stops answering (each call bounded: its host may be gone)."""
+    bounded = rendezvous.BoundedStore(store, _READ_SECONDS)
+    deadline = time.monotonic() + _READ_SECONDS
+    try:
+        count = bounded.add(_READ_COUNT_KEY, 1)
+        while count < world_size and time.monotonic() < deadline:
+            time.sleep(0.05)
+            count = bounded.add(_READ_COUNT_KEY, 0)
+    except (RuntimeError, OSError, ValueError):
+        pass
 
 
 def _read_advertised(store: dist.Store, world_size: int) -> dict[int, Advertised] | None:
