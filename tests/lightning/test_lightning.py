@@ -195,6 +195,8 @@ def test_registered_names_do_not_collide_with_lightnings_own():
         assert (ours in names) == hasattr(ts, cls)
 
 
+
+
 # -- mismatched Trainer arguments -------------------------------------------------------
 def _trainer(**kwargs):
     import lightning.pytorch as pl
