@@ -37,11 +37,6 @@ RUNNER = os.path.join(ROOT, "tests", "lightning", "scenario_runner.py")
 # Launches running at once: each re-executed launch imports in one process and then in the
 # other, so two launches keep two cores busy.
 PARALLEL_LAUNCHES = 2
-# Every collective's bound in the launches (clean_env's is 60 s). Replica 0 waits in the
-# rendezvous while replica 1 imports torch and Lightning (10 s of CPU), which the other
-# launch and the in-process tests slow down on a loaded machine; a hang still fails within
-# the launch's own timeout.
-COLLECTIVE_TIMEOUT_SECONDS = 120
 
 
 def _assert_same_weights(ours, theirs):
@@ -72,8 +67,8 @@ class Scenario:
 
 _MULTI_WORKER = ("--also", "multi_worker_mirrored") if hasattr(ts, "MultiWorkerMirroredStrategy") \
     else ()
-# In start order (about the longest first). The comments give the import order of each
-# launch's first process, which the registration tests read.
+# In start order (the longest first). The comments give each first process's import order,
+# which the registration tests read.
 SCENARIOS = {
     # Trainer(strategy="mirrored", devices=2) re-executes the script for replica 1, then
     # strategy="ddp" in the same world. lightning.pytorch after torchstrategy.
@@ -104,7 +99,6 @@ class Launches:
     """The scenarios, run by one scenario_runner.py process; `result` waits for one."""
 
     def __init__(self, root, scenarios):
-        self._scenarios = dict(scenarios)
         self._dirs = {name: root / name for name in scenarios}
         jobs = [{"command": scenario.command(self._dirs[name]),
                  "stdin": SCRIPT if scenario.stdin else None,
@@ -113,11 +107,9 @@ class Launches:
         jobs_file = root / "jobs.json"
         jobs_file.write_text(json.dumps(jobs))
         self._runner_log = open(root / "runner.txt", "w+")
-        env = clean_env()
-        env["TORCHSTRATEGY_TIMEOUT_SECONDS"] = str(COLLECTIVE_TIMEOUT_SECONDS)
         self._runner = subprocess.Popen(
             [sys.executable, RUNNER, str(jobs_file), str(PARALLEL_LAUNCHES)], cwd=ROOT,
-            env=env, stdout=self._runner_log, stderr=subprocess.STDOUT,
+            env=clean_env(), stdout=self._runner_log, stderr=subprocess.STDOUT,
             start_new_session=True)
         # The longest a launch can wait for its turn and then run.
         self._wait_seconds = SUBPROCESS_TIMEOUT_SECONDS * math.ceil(
@@ -145,7 +137,7 @@ class Launches:
             stderr = (self._dirs[name] / "stderr.txt").read_text()
             what = ("ran past its timeout and was killed" if status == "timeout"
                     else f"exited with {status}")
-            pytest.fail(f"{name!r} ({' '.join(self._scenarios[name].argv)}) {what}\n"
+            pytest.fail(f"{name!r} ({' '.join(SCENARIOS[name].argv)}) {what}\n"
                         f"--- stdout ---\n{stdout[-3000:]}\n--- stderr ---\n{stderr[-5000:]}")
         return torch.load(self._dirs[name] / "result.pt", weights_only=False)
 
