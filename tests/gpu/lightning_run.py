@@ -35,6 +35,8 @@ class Model(pl.LightningModule):
         x, y = batch
         loss = F.cross_entropy(self.net(x), y)
         self.log("train_loss", loss)
+        # Recorded while training: Strategy.teardown moves the module to the CPU after fit.
+        self.training_device = str(next(self.parameters()).device)
         return loss
 
     def configure_optimizers(self):
@@ -55,7 +57,7 @@ def main():
                          enable_model_summary=False, use_distributed_sampler=False)
     trainer.fit(model, loader)
     torch.save({"strategy": type(trainer.strategy).__name__,
-                "device": str(next(model.parameters()).device),
+                "device": model.training_device,
                 "global_step": trainer.global_step,
                 "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()}},
                args.out)
