@@ -18,14 +18,18 @@ built whole.)
 
 nanoGPT (dropout 0.1, accumulation with its prefetched batch) is checked through the
 guide's own diff in test_guide_diffs.py.
+
+torchrun forks each launch's replicas from its agent (``--run-path --start-method=fork``;
+harness.torchrun), and each original runs beside its port.
 """
 import re
 import shutil
+from functools import partial
 
 import pytest
 import torch
 
-from tests.porting.programs.harness import PROGRAMS, assert_identical, torchrun
+from tests.porting.programs.harness import PROGRAMS, assert_identical, concurrently, torchrun
 
 LOSS_LINE = re.compile(r"^\[GPU(\d)\] Epoch (\d+) \| Iter (\d+) \| (Train|Eval) Loss (\S+)$",
                        re.MULTILINE)
@@ -40,17 +44,21 @@ def _losses(output):
 
 @pytest.fixture(scope="module")
 def mingpt_runs(tmp_path_factory):
-    runs = {}
-    for kind, program in (("ddp", "mingpt_ddp.py"), ("port", "mingpt_ddp_ported.py")):
-        directory = tmp_path_factory.mktemp(kind)
+    def first_then_resumed(kind, program, directory):
         first = torchrun(PROGRAMS / program, "--max_epochs=1", cwd=directory,
-                        reference=kind == "ddp")
+                         reference=kind == "ddp")
         first_snapshot = torch.load(directory / "snapshot.pt")
         resumed = torchrun(PROGRAMS / program, "--max_epochs=2", "--use_amp=True", cwd=directory,
                            reference=kind == "ddp")
-        runs[kind] = {"fp32": (first, first_snapshot),
-                      "fp16_resumed": (resumed, torch.load(directory / "snapshot.pt"))}
-    return runs
+        return {"fp32": (first, first_snapshot),
+                "fp16_resumed": (resumed, torch.load(directory / "snapshot.pt"))}
+
+    # The original's two launches and the port's two run side by side.
+    kinds = {"ddp": "mingpt_ddp.py", "port": "mingpt_ddp_ported.py"}
+    directories = {kind: tmp_path_factory.mktemp(kind) for kind in kinds}
+    return dict(zip(kinds, concurrently(
+        *(partial(first_then_resumed, kind, program, directories[kind])
+          for kind, program in kinds.items()))))
 
 
 def _assert_same_losses(got, want):
@@ -96,15 +104,21 @@ FSDP2_LOSS_LINE = re.compile(r"^\[rank (\d)\] step (\d+) loss (\S+)$", re.MULTIL
 def fsdp2_runs(tmp_path_factory):
     fresh = tmp_path_factory.mktemp("fsdp2_fresh")
     torchrun(PROGRAMS / "fsdp2_example.py", cwd=fresh, reference=True)
-    runs = {}
-    for kind, program in (("fsdp2", "fsdp2_example.py"), ("port", "fsdp2_example_ported.py")):
-        directory = tmp_path_factory.mktemp(kind)
-        shutil.copytree(fresh / "checkpoints", directory / "checkpoints")
+
+    def resumed(kind, program, directory):
         output = torchrun(PROGRAMS / program, cwd=directory, reference=kind == "fsdp2")
         last = directory / "checkpoints" / "last"
-        runs[kind] = (output, torch.load(last / "model_state_dict.pt"),
-                      torch.load(last / "optim_state_dict.pt"))
-    return runs
+        return (output, torch.load(last / "model_state_dict.pt"),
+                torch.load(last / "optim_state_dict.pt"))
+
+    # The example and its port resume from the same checkpoint, side by side.
+    kinds = {"fsdp2": "fsdp2_example.py", "port": "fsdp2_example_ported.py"}
+    directories = {kind: tmp_path_factory.mktemp(kind) for kind in kinds}
+    for directory in directories.values():
+        shutil.copytree(fresh / "checkpoints", directory / "checkpoints")
+    return dict(zip(kinds, concurrently(
+        *(partial(resumed, kind, program, directories[kind])
+          for kind, program in kinds.items()))))
 
 
 def test_fsdp2_example_port_on_sharded_strategy_resumes_as_fsdp2(fsdp2_runs):

@@ -14,10 +14,15 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 PROGRAMS = Path(__file__).resolve().parent
 REPOSITORY = PROGRAMS.parents[2]
@@ -25,6 +30,10 @@ GUIDE = REPOSITORY / "docs" / "porting_from_ddp.md"
 # The guide's first diff is against this file of pytorch/examples, as published.
 UPSTREAM_TUTORIAL = "distributed/ddp-tutorial-series/multigpu_torchrun.py"
 RUN_TIMEOUT_SECONDS = 300
+# What the agent imports before forking the replicas: what each replica would import
+# (torchstrategy, whose import has no side effects; torch._dynamo, which torch.optim loads
+# at the first optimizer).
+PRELOAD = ("torch._dynamo", "torchstrategy")
 # The variables torchrun sets: a test process must not hand its own to the launched world.
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                       "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -140,7 +149,8 @@ def _aborted_at_exit_only(returncode: int, per_rank: dict[int, Path]) -> bool:
 
 
 def torchrun(program: Path, *args: str, cwd: Path, nproc: int = 2,
-             reference: bool = False) -> str:
+             reference: bool = False, fork: bool = True,
+             preload: tuple[str, ...] = PRELOAD) -> str:
     """Runs `program` as torchrun does (``--standalone``: a free port, so tests may run in
     parallel) with `nproc` processes on this machine, in `cwd`; returns what the processes
     printed, each process's whole stdout in rank order (torchrun redirects them to files,
@@ -150,14 +160,26 @@ def torchrun(program: Path, *args: str, cwd: Path, nproc: int = 2,
     `reference`: `program` is a plain torch original (DDP, FSDP2) run only to compare
     against: torch's own abort at interpreter exit (`TORCH_EXIT_ABORT`) is then reported
     on stderr and tolerated, since its outputs are compared whole afterwards. A port (the
-    library's code) gets no such allowance."""
+    library's code) gets no such allowance.
+
+    `fork`: the replicas are forked from torchrun's agent (torchrun's own ``--run-path
+    --start-method=fork``), which imported `preload` first (forking_agent.py), and each
+    runs the program as ``python PROGRAM`` would and ends through its exit handlers
+    (forked_replica.py): a launch then costs one interpreter start and one import of torch,
+    not three. Without `fork`, every replica is a fresh interpreter, as a user's plain
+    ``torchrun`` starts it."""
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPOSITORY), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"     # the replicas share the machine's cores
     logs = Path(tempfile.mkdtemp(prefix="torchrun-logs-", dir=cwd))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", f"--log-dir={logs}", "--redirects=3",
-               str(program), *args]
+    if fork:
+        launcher = [sys.executable, str(PROGRAMS / "forking_agent.py"), ",".join(preload)]
+        entry = ["--run-path", "--start-method=fork", str(PROGRAMS / "forked_replica.py"),
+                 str(program)]
+    else:
+        launcher, entry = [sys.executable, "-m", "torch.distributed.run"], [str(program)]
+    command = [*launcher, "--standalone", f"--nproc-per-node={nproc}", f"--log-dir={logs}",
+               "--redirects=3", *entry, *args]
     done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_SECONDS)
     per_rank = {int(path.parent.name): path.parent for path in logs.rglob("stdout.log")}
@@ -174,6 +196,16 @@ def torchrun(program: Path, *args: str, cwd: Path, nproc: int = 2,
         raise AssertionError(f"{program.name} {' '.join(args)} failed:\n{errors}\n"
                              f"-- torchrun --\n{(done.stdout + done.stderr)[-3000:]}")
     return "".join(outputs)
+
+
+def concurrently(*calls: Callable[[], T]) -> list[T]:
+    """Each of `calls` run in a thread of its own, all at the same time; their results in
+    the order given. Every call is waited for before the first failure is raised, so that
+    no launch outlives the test that started it."""
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+        wait(futures)
+    return [future.result() for future in futures]
 
 
 def without_prefix(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
