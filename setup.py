@@ -5,11 +5,17 @@ the others implement. CUDA sources (``csrc/*.cu``) build only when the installed
 CUDA and the nvcc found by torch.utils.cpp_extension has the same major version, so a
 machine without a GPU toolchain still gets the C++ kernels; TORCHSTRATEGY_WITH_CUDA then
 tells bindings.cpp to register the CUDA kernels.
+
+On Linux the extension always links the shared libstdc++ (the one torch itself uses): a
+compiler wrapper that links it statically (seen on a GPU machine whose CXX linked with
+-static-libstdc++) gives the extension its own copy of the C++ runtime, and an error
+raised by one of its ops then crashed the process instead of reaching Python.
 """
 import glob
 import os
 import re
 import subprocess
+import sys
 
 from setuptools import setup
 
@@ -44,12 +50,17 @@ def _extension():
     cpp = [os.path.relpath(p, here) for p in cpp]
     cuda = [os.path.relpath(p, here) for p in cuda]
     cxx_flags = ["-O3"]
+    # Named by its soname, so that a -static-libstdc++ the compiler adds on its own cannot
+    # pull a private copy in: the symbols resolve to the shared library first.
+    link_flags = ["-l:libstdc++.so.6"] if sys.platform.startswith("linux") else []
     if cuda and _nvcc_matches_torch(torch):
         return CUDAExtension("torchstrategy._C", cpp + cuda,
                              define_macros=[("TORCHSTRATEGY_WITH_CUDA", "1")],
                              extra_compile_args={"cxx": cxx_flags,
-                                                 "nvcc": ["-O3"]})
-    return CppExtension("torchstrategy._C", cpp, extra_compile_args={"cxx": cxx_flags})
+                                                 "nvcc": ["-O3"]},
+                             extra_link_args=link_flags)
+    return CppExtension("torchstrategy._C", cpp, extra_compile_args={"cxx": cxx_flags},
+                        extra_link_args=link_flags)
 
 
 def _build_ext():

@@ -1,8 +1,12 @@
 """The fused pack/unpack kernels of torchstrategy._C against a plain-torch reference."""
+import shutil
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from torchstrategy import _ops
+from torchstrategy import _C, _ops
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64]
 OPS = {"cpu-kernel": (torch.ops.torchstrategy.pack, torch.ops.torchstrategy.unpack),
@@ -68,10 +72,23 @@ def test_strided_sources_and_other_dtypes_are_converted(which):
 
 
 def test_bad_layouts_are_refused_with_a_clear_error():
-    with pytest.raises(RuntimeError, match="does not fit"):
+    # The numbers are part of the check: an extension carrying a private copy of the C++
+    # runtime (linked with -static-libstdc++) formatted them as nothing, or crashed here.
+    with pytest.raises(RuntimeError, match=r"tensor 0 \(5 elements at offset 0\) does not fit "
+                                           r"in a buffer of 4 elements"):
         _ops.pack(torch.zeros(4), [torch.ones(5)], [0], [5])
-    with pytest.raises(RuntimeError, match="has 3 elements but its slot has 2"):
+    with pytest.raises(RuntimeError, match="tensor 0 has 3 elements but its slot has 2"):
         _ops.pack(torch.zeros(4), [torch.ones(3)], [0], [2])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("readelf") is None,
+                    reason="reads the extension's ELF dynamic section with readelf (Linux)")
+def test_extension_uses_the_shared_cpp_runtime_that_torch_uses():
+    # setup.py links libstdc++ by its soname: a compiler that adds -static-libstdc++ on its
+    # own would otherwise give the extension a second C++ runtime beside torch's.
+    dynamic = subprocess.run(["readelf", "-d", _C.__file__], capture_output=True, text=True,
+                             check=True).stdout
+    assert "[libstdc++.so.6]" in dynamic, dynamic
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
