@@ -7,8 +7,8 @@ lightning_ddp.py; the DDP tutorial's diff is against pytorch/examples' file as p
 deterministic and CPU-capable (multigpu_torchrun.py) is compared with its port
 (multigpu_torchrun_ported.py, the same changes).
 
-Each port and its original run side by side under ``torchrun --standalone
---nproc-per-node=2`` on gloo (its replicas forked from the agent: harness.torchrun), from
+Each port and its original run under ``torchrun --standalone --nproc-per-node=2`` on gloo
+(one torchrun kept for the module, its replicas forked from it: harness.KeptTorchrun), from
 the same start, and are compared bit for bit: what they
 print (losses, progress, resume messages) and the weights they save. The DDP tutorial
 resumes from a snapshot (its ``loc`` mapping on load, a snapshot without ``module.``
@@ -17,19 +17,25 @@ and periodic evaluation, and checkpoints; the Lightning program accumulates over
 with dropout and saves a checkpoint.
 """
 import re
-from functools import partial
 
 import pytest
 import torch
 
 from tests.porting.programs import harness as harness_lib
 from tests.porting.programs.harness import (
-    PROGRAMS, REPOSITORY, UPSTREAM_TUTORIAL, apply_diff, assert_identical, concurrently,
-    guide_diffs, parse_diff, ported_program, torchrun)
+    PRELOAD, PROGRAMS, REPOSITORY, UPSTREAM_TUTORIAL, KeptTorchrun, apply_diff,
+    assert_identical, guide_diffs, parse_diff, ported_program, torchrun)
 
 NANOGPT = "tests/porting/programs/nanogpt_train.py"
 LIGHTNING = "tests/porting/programs/lightning_ddp.py"
-KINDS = ("ddp", "port")          # each original runs beside its port
+
+
+@pytest.fixture(scope="module")
+def kept_torchrun():
+    """One torchrun for every launch of this module, Lightning imported with torch."""
+    kept = KeptTorchrun(preload=(*PRELOAD, "lightning.pytorch"))
+    yield kept
+    kept.close()
 
 
 def test_every_diff_of_the_guide_applies_to_a_tested_program():
@@ -59,19 +65,19 @@ def test_the_diff_applier_refuses_a_diff_that_does_not_match():
         parse_diff("-b\n+B\n")
 
 
-def test_ddp_tutorial_port_resumes_and_equals_ddp(tmp_path):
+def test_ddp_tutorial_port_resumes_and_equals_ddp(tmp_path, kept_torchrun):
     torch.manual_seed(7)
     snapshot = {"MODEL_STATE": torch.nn.Linear(20, 1).state_dict(), "EPOCHS_RUN": 1}
-
-    def run(kind, program):
+    runs = {}
+    for kind in ("ddp", "port"):
         directory = tmp_path / kind
         directory.mkdir()
         torch.save(snapshot, directory / "snapshot.pt")
-        output = torchrun(PROGRAMS / program, "3", "1", cwd=directory, reference=kind == "ddp")
-        return output, torch.load(directory / "snapshot.pt")
-
-    runs = dict(zip(KINDS, concurrently(partial(run, "ddp", "multigpu_torchrun.py"),
-                                        partial(run, "port", "multigpu_torchrun_ported.py"))))
+        program = PROGRAMS / ("multigpu_torchrun.py" if kind == "ddp" else
+                              "multigpu_torchrun_ported.py")
+        output = torchrun(program, "3", "1", cwd=directory, reference=kind == "ddp",
+                          kept=kept_torchrun)
+        runs[kind] = (output, torch.load(directory / "snapshot.pt"))
     (ddp_out, ddp_snap), (port_out, port_snap) = runs["ddp"], runs["port"]
     losses = re.findall(r"\[GPU(\d)\] Epoch (\d) \| Losses: (\[[^\]]*\])", ddp_out)
     assert len(losses) == 4          # epochs 1 and 2 on both replicas
@@ -83,16 +89,15 @@ def test_ddp_tutorial_port_resumes_and_equals_ddp(tmp_path):
     assert_identical(port_snap["MODEL_STATE"], ddp_snap["MODEL_STATE"], "tutorial snapshot")
 
 
-def test_nanogpt_port_logs_and_trains_as_ddp(tmp_path):
-    def run(kind):
+def test_nanogpt_port_logs_and_trains_as_ddp(tmp_path, kept_torchrun):
+    runs = {}
+    for kind in ("ddp", "port"):
         directory = tmp_path / kind
         directory.mkdir()
         program = PROGRAMS / "nanogpt_train.py" if kind == "ddp" else \
             ported_program(NANOGPT, directory)
-        output = torchrun(program, cwd=directory, reference=kind == "ddp")
-        return output, torch.load(directory / "out" / "ckpt.pt")
-
-    runs = dict(zip(KINDS, concurrently(*(partial(run, kind) for kind in KINDS))))
+        output = torchrun(program, cwd=directory, reference=kind == "ddp", kept=kept_torchrun)
+        runs[kind] = (output, torch.load(directory / "out" / "ckpt.pt"))
     (ddp_out, ddp_ckpt), (port_out, port_ckpt) = runs["ddp"], runs["port"]
     assert re.findall(r"^iter \d+: loss .*$", ddp_out, re.MULTILINE)
     assert port_out.splitlines() == ddp_out.splitlines()   # losses, evaluations, saves
@@ -104,23 +109,21 @@ def test_nanogpt_port_logs_and_trains_as_ddp(tmp_path):
         assert_identical(port_ckpt["optimizer"]["state"][index], state, f"AdamW state {index}")
 
 
-def test_lightning_port_logs_and_trains_as_ddp(tmp_path, monkeypatch):
+def test_lightning_port_logs_and_trains_as_ddp(tmp_path, monkeypatch, kept_torchrun):
     # As after a script's seed_everything: Lightning's "ddp" re-seeds every replica from
     # PL_GLOBAL_SEED when it sets up; the port must draw the same dropout masks.
     monkeypatch.setenv("PL_GLOBAL_SEED", "5")
-
-    def run(kind):
+    runs = {}
+    for kind in ("ddp", "port"):
         directory = tmp_path / kind
         directory.mkdir()
         program = PROGRAMS / "lightning_ddp.py" if kind == "ddp" else \
             ported_program(LIGHTNING, directory)
-        output = torchrun(program, cwd=directory, reference=kind == "ddp",
-                          preload=(*harness_lib.PRELOAD, "lightning.pytorch"))
+        output = torchrun(program, cwd=directory, reference=kind == "ddp", kept=kept_torchrun)
         losses = re.findall(r"^\[rank (\d)\] batch (\d+) loss (\S+)$", output,
                             re.MULTILINE)
-        return sorted(losses), torch.load(directory / "final.ckpt", weights_only=False)
-
-    runs = dict(zip(KINDS, concurrently(*(partial(run, kind) for kind in KINDS))))
+        checkpoint = torch.load(directory / "final.ckpt", weights_only=False)
+        runs[kind] = (sorted(losses), checkpoint)
     (ddp_losses, ddp_ckpt), (port_losses, port_ckpt) = runs["ddp"], runs["port"]
     assert len(ddp_losses) == 2 * 2 * 6     # 2 replicas, 2 epochs, 6 batches each
     assert port_losses == ddp_losses

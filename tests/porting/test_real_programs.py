@@ -19,17 +19,17 @@ built whole.)
 nanoGPT (dropout 0.1, accumulation with its prefetched batch) is checked through the
 guide's own diff in test_guide_diffs.py.
 
-torchrun forks each launch's replicas from its agent (``--run-path --start-method=fork``;
-harness.torchrun), and each original runs beside its port.
+Every launch of this module is made by one kept torchrun (harness.KeptTorchrun), which
+forks its replicas from itself (``--run-path --start-method=fork``) instead of starting an
+interpreter for each.
 """
 import re
 import shutil
-from functools import partial
 
 import pytest
 import torch
 
-from tests.porting.programs.harness import PROGRAMS, assert_identical, concurrently, torchrun
+from tests.porting.programs.harness import PROGRAMS, KeptTorchrun, assert_identical, torchrun
 
 LOSS_LINE = re.compile(r"^\[GPU(\d)\] Epoch (\d+) \| Iter (\d+) \| (Train|Eval) Loss (\S+)$",
                        re.MULTILINE)
@@ -43,22 +43,25 @@ def _losses(output):
 
 
 @pytest.fixture(scope="module")
-def mingpt_runs(tmp_path_factory):
-    def first_then_resumed(kind, program, directory):
+def kept_torchrun():
+    kept = KeptTorchrun()
+    yield kept
+    kept.close()
+
+
+@pytest.fixture(scope="module")
+def mingpt_runs(tmp_path_factory, kept_torchrun):
+    runs = {}
+    for kind, program in (("ddp", "mingpt_ddp.py"), ("port", "mingpt_ddp_ported.py")):
+        directory = tmp_path_factory.mktemp(kind)
         first = torchrun(PROGRAMS / program, "--max_epochs=1", cwd=directory,
-                         reference=kind == "ddp")
+                         reference=kind == "ddp", kept=kept_torchrun)
         first_snapshot = torch.load(directory / "snapshot.pt")
         resumed = torchrun(PROGRAMS / program, "--max_epochs=2", "--use_amp=True", cwd=directory,
-                           reference=kind == "ddp")
-        return {"fp32": (first, first_snapshot),
-                "fp16_resumed": (resumed, torch.load(directory / "snapshot.pt"))}
-
-    # The original's two launches and the port's two run side by side.
-    kinds = {"ddp": "mingpt_ddp.py", "port": "mingpt_ddp_ported.py"}
-    directories = {kind: tmp_path_factory.mktemp(kind) for kind in kinds}
-    return dict(zip(kinds, concurrently(
-        *(partial(first_then_resumed, kind, program, directories[kind])
-          for kind, program in kinds.items()))))
+                           reference=kind == "ddp", kept=kept_torchrun)
+        runs[kind] = {"fp32": (first, first_snapshot),
+                      "fp16_resumed": (resumed, torch.load(directory / "snapshot.pt"))}
+    return runs
 
 
 def _assert_same_losses(got, want):
@@ -101,24 +104,19 @@ FSDP2_LOSS_LINE = re.compile(r"^\[rank (\d)\] step (\d+) loss (\S+)$", re.MULTIL
 
 
 @pytest.fixture(scope="module")
-def fsdp2_runs(tmp_path_factory):
+def fsdp2_runs(tmp_path_factory, kept_torchrun):
     fresh = tmp_path_factory.mktemp("fsdp2_fresh")
-    torchrun(PROGRAMS / "fsdp2_example.py", cwd=fresh, reference=True)
-
-    def resumed(kind, program, directory):
-        output = torchrun(PROGRAMS / program, cwd=directory, reference=kind == "fsdp2")
-        last = directory / "checkpoints" / "last"
-        return (output, torch.load(last / "model_state_dict.pt"),
-                torch.load(last / "optim_state_dict.pt"))
-
-    # The example and its port resume from the same checkpoint, side by side.
-    kinds = {"fsdp2": "fsdp2_example.py", "port": "fsdp2_example_ported.py"}
-    directories = {kind: tmp_path_factory.mktemp(kind) for kind in kinds}
-    for directory in directories.values():
+    torchrun(PROGRAMS / "fsdp2_example.py", cwd=fresh, reference=True, kept=kept_torchrun)
+    runs = {}
+    for kind, program in (("fsdp2", "fsdp2_example.py"), ("port", "fsdp2_example_ported.py")):
+        directory = tmp_path_factory.mktemp(kind)
         shutil.copytree(fresh / "checkpoints", directory / "checkpoints")
-    return dict(zip(kinds, concurrently(
-        *(partial(resumed, kind, program, directories[kind])
-          for kind, program in kinds.items()))))
+        output = torchrun(PROGRAMS / program, cwd=directory, reference=kind == "fsdp2",
+                          kept=kept_torchrun)
+        last = directory / "checkpoints" / "last"
+        runs[kind] = (output, torch.load(last / "model_state_dict.pt"),
+                      torch.load(last / "optim_state_dict.pt"))
+    return runs
 
 
 def test_fsdp2_example_port_on_sharded_strategy_resumes_as_fsdp2(fsdp2_runs):

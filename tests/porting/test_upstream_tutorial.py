@@ -75,7 +75,7 @@ def test_the_guides_diff_applies_to_the_published_tutorial_and_the_port_runs_on_
     assert "DistributedDataParallel" not in ported and "init_process_group" not in ported
 
     workdir = program.parent
-    first = torchrun(program, "2", "1", cwd=workdir, fork=False)   # epochs 0 and 1, both saved
+    first = torchrun(program, "2", "1", cwd=workdir)           # epochs 0 and 1, both saved
     for rank in (0, 1):
         for epoch in (0, 1):     # 2048 examples, 1024 per replica, batches of 32
             assert f"[GPU{rank}] Epoch {epoch} | Batchsize: 32 | Steps: 32" in first, first
@@ -85,7 +85,7 @@ def test_the_guides_diff_applies_to_the_published_tutorial_and_the_port_runs_on_
     assert sorted(snapshot["MODEL_STATE"]) == ["bias", "weight"]    # no "module." prefix
     torch.nn.Linear(20, 1).load_state_dict(snapshot["MODEL_STATE"])  # loads without a strategy
 
-    resumed = torchrun(program, "3", "1", cwd=workdir, fork=False)  # the snapshot: epochs 1, 2
+    resumed = torchrun(program, "3", "1", cwd=workdir)          # from the snapshot: epochs 1, 2
     assert resumed.count("Loading snapshot") == 2, resumed
     assert resumed.count("Resuming training from snapshot at Epoch 1") == 2, resumed
     for rank in (0, 1):
