@@ -52,6 +52,38 @@ void check_sum_args(const at::Tensor& q, const at::Tensor& scales, const at::Ten
 
 }  // namespace
 
+// Round to nearest, ties to even, as std::nearbyint does in the default rounding mode, for
+// |x| < 2^22 (the levels are within +-127 here): adding and subtracting 1.5 * 2^23 leaves no
+// fraction bits. Written out because std::nearbyint is a library call per element without
+// SSE4.1 (the extension builds for the baseline x86-64), which kept the loop from
+// vectorising: the quantiser ran at about 8 memory copies of its bytes (measured with
+// scripts/bench_compression_kernels.py). The compiler may not fold it away (no fast-math).
+inline float round_half_even_small(float x) {
+  constexpr float kShift = 12582912.0f;  // 1.5 * 2^23
+  return (x + kShift) - kShift;
+}
+
+// max |x| over [begin, end): eight independent lanes, so the loop vectorises without
+// reassociating a reduction (max is exact in any order). NaNs are skipped, as std::max did.
+inline float abs_max(const float* x, int64_t begin, int64_t end) {
+  constexpr int64_t kLanes = 8;
+  float lane[kLanes] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  int64_t k = begin;
+  for (; k + kLanes <= end; k += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const float a = std::fabs(x[k + l]);
+      lane[l] = a > lane[l] ? a : lane[l];
+    }
+  }
+  float absmax = 0.0f;
+  for (; k < end; ++k) {
+    const float a = std::fabs(x[k]);
+    absmax = a > absmax ? a : absmax;
+  }
+  for (int64_t l = 0; l < kLanes; ++l) absmax = lane[l] > absmax ? lane[l] : absmax;
+  return absmax;
+}
+
 void ef_quantize_int8_cpu(const at::Tensor& grad, at::Tensor residual, at::Tensor q,
                           at::Tensor scales, int64_t chunk) {
   check_quantize_args(grad, residual, q, scales, chunk);
@@ -67,18 +99,22 @@ void ef_quantize_int8_cpu(const at::Tensor& grad, at::Tensor residual, at::Tenso
     at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
       for (int64_t j = first; j < last; ++j) {
         const int64_t begin = j * chunk, end = std::min(n, begin + chunk);
-        float absmax = 0.0f;
         for (int64_t k = begin; k < end; ++k) {
           r[k] += static_cast<float>(in[k]);  // the residual now holds c
-          absmax = std::max(absmax, std::fabs(r[k]));
         }
-        const float scale = absmax / 127.0f;
+        const float scale = abs_max(r, begin, end) / 127.0f;
         s[j] = scale;
-        for (int64_t k = begin; k < end; ++k) {
-          float level = scale > 0.0f ? std::nearbyint(r[k] / scale) : 0.0f;
-          level = std::min(127.0f, std::max(-127.0f, level));
-          out[k] = static_cast<int8_t>(level);
-          r[k] -= level * scale;
+        if (scale > 0.0f) {
+          for (int64_t k = begin; k < end; ++k) {
+            float level = round_half_even_small(r[k] / scale);
+            // Clamped as std::max(-127, level) then std::min(127, .) did (a NaN gives -127).
+            level = -127.0f < level ? level : -127.0f;
+            level = level < 127.0f ? level : 127.0f;
+            out[k] = static_cast<int8_t>(level);
+            r[k] -= level * scale;
+          }
+        } else {  // an all-zero chunk (absmax 0): levels 0, the residual kept
+          for (int64_t k = begin; k < end; ++k) out[k] = 0;
         }
       }
     });
@@ -91,22 +127,29 @@ void dequantize_sum_cpu(const at::Tensor& q, const at::Tensor& scales, at::Tenso
   const at::Tensor qc = q.contiguous();
   const at::Tensor sc = scales.contiguous();
   const int64_t replicas = qc.size(0), n = qc.size(1), chunks = sc.size(1);
-  at::Tensor total = at::empty({n}, out.options().dtype(at::kFloat));
+  // Summed straight into `out` when it can hold the float sums: a fresh buffer of the
+  // bucket's size costs a page fault per page on every call, and a copy.
+  const bool in_place = out.scalar_type() == at::kFloat && out.is_contiguous();
+  at::Tensor total = in_place ? out : at::empty({n}, out.options().dtype(at::kFloat));
   const int8_t* in = qc.const_data_ptr<int8_t>();
   const float* s = sc.const_data_ptr<float>();
   float* t = total.data_ptr<float>();
+  if (replicas == 0) total.zero_();
   at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
     for (int64_t j = first; j < last; ++j) {
       const int64_t begin = j * chunk, end = std::min(n, begin + chunk);
-      for (int64_t k = begin; k < end; ++k) t[k] = 0.0f;
       for (int64_t rep = 0; rep < replicas; ++rep) {  // replica order: same bits everywhere
         const float scale = s[rep * chunks + j];
         const int8_t* row = in + rep * n;
-        for (int64_t k = begin; k < end; ++k) t[k] += static_cast<float>(row[k]) * scale;
+        if (rep == 0) {  // 0 + x, not x: the same bits as summing onto zeros (-0 -> +0)
+          for (int64_t k = begin; k < end; ++k) t[k] = 0.0f + static_cast<float>(row[k]) * scale;
+        } else {
+          for (int64_t k = begin; k < end; ++k) t[k] += static_cast<float>(row[k]) * scale;
+        }
       }
     }
   });
-  out.view({n}).copy_(total);
+  if (!in_place) out.view({n}).copy_(total);
 }
 
 void ef_quantize_int8_generic(const at::Tensor& grad, at::Tensor residual, at::Tensor q,
