@@ -43,6 +43,10 @@ _EXIT_WAIT_BEFORE_RELEASE_SECONDS = 30.0
 _MAIN_FAILS_ALONE_SECONDS = 3.0
 # How long the main thread has to take a SIGINT before it is deemed blocked outside Python.
 _INTERRUPT_GRACE_SECONDS = 2.0
+# How long replica 0's exit waits for the supervisor's watch to finish recording how the
+# replicas ended: its store calls are bounded at `rendezvous.BoundedStore`'s 5 s (and after
+# one timed out, the others fail at once).
+_WATCH_END_SECONDS = 10.0
 
 
 def reexec_command() -> list[str]:
@@ -315,8 +319,9 @@ class Supervisor:
                 store.set(world_lib.ENDS_RECORDED_KEY, "1")
             except (RuntimeError, OSError):
                 pass
-        threading.Thread(target=self.watch, name="torchstrategy-supervisor",
-                         daemon=True).start()
+        self._watcher = threading.Thread(target=self.watch, name="torchstrategy-supervisor",
+                                         daemon=True)
+        self._watcher.start()
         on_blocked_interrupt(self._interrupted_while_blocked)
 
     def _interrupted_while_blocked(self) -> None:
@@ -511,6 +516,7 @@ class Supervisor:
             self.terminate_all()
             if self.failure is not None:
                 self._exit_with_failure()
+            self._wait_for_watch()
             if self.interrupted:
                 # Python ends the process as interrupted (SIGINT; exit status 130 in a shell).
                 print("torchstrategy: interrupted (Ctrl-C); every replica was stopped.",
@@ -538,6 +544,20 @@ class Supervisor:
                     break
         if self.failure is not None:
             self._exit_with_failure()
+        self._wait_for_watch()
+
+    def _wait_for_watch(self) -> None:
+        """Waits (at most `_WATCH_END_SECONDS`) until the watch thread has ended, having
+        recorded how every replica ended.
+
+        Replica 0's interpreter must not finalize while that daemon thread is inside a
+        store call: torch's bindings release the GIL during the call, and a daemon thread
+        that takes the GIL back during finalization is ended by pthread_exit (Python 3.11),
+        whose unwinding through the bindings' noexcept frames calls std::terminate. The
+        job, whose replicas all succeeded, would then end in SIGABRT ("terminate called
+        without an active exception"), at random and more often on a loaded machine."""
+        if self._watcher is not threading.current_thread():
+            self._watcher.join(_WATCH_END_SECONDS)
 
     def _exit_with_failure(self) -> None:
         if self.failure is None:
