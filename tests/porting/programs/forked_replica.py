@@ -1,4 +1,4 @@
-"""A replica forked by torchrun's agent (forking_agent.py) runs its program here as
+"""A replica forked by a kept torchrun (torchrun_agent.py) runs its program here as
 ``python PROGRAM ARGS...`` would, and ends as that interpreter would end it.
 
     (torchrun --run-path) /abs/forked_replica.py /abs/PROGRAM.py ARGS...
@@ -32,7 +32,7 @@ def main():
         runpy.run_path(program, run_name="__main__")
     finally:
         _wait_for_non_daemon_threads()
-        atexit._run_exitfuncs()
+        atexit._run_exitfuncs()    # CPython's own exit step (no public name for it)
 
 
 if __name__ == "__main__":

@@ -185,7 +185,9 @@ class KeptTorchrun:
         if answer.startswith("exited "):
             return int(answer.split()[1]), output
         self.close(kill=True)
-        return -9, f"{output}\n(killed: the launch had not ended after {timeout} s)"
+        why = f"killed: the launch had not ended after {timeout} s" if not ready else \
+            "the kept torchrun ended without answering"
+        return -9, f"{output}\n({why})"
 
     def close(self, kill: bool = False) -> None:
         """Ends the kept torchrun (at once with `kill`: it and every replica it forked)."""
