@@ -1,15 +1,22 @@
 """Run by tests/sharded/test_checkpoint_matrix.py as a plain script (each strategy
 re-executes it for the other replicas): Lightning checkpoints under every strategy.
 
-    python tests/sharded/lightning_matrix_script.py OUT save 2     # 3 steps, a checkpoint
-    python tests/sharded/lightning_matrix_script.py OUT resume N   # resumed to 6 steps
+    python tests/sharded/lightning_matrix_script.py OUT save 2       # 3 steps, a checkpoint
+    python tests/sharded/lightning_matrix_script.py OUT resume N     # resumed to 6 steps
+    python tests/sharded/lightning_matrix_script.py OUT reference+resume 1
 
 For each of Trainer(strategy="mirrored" / "multi_worker_mirrored" / "sharded"): `save`
 fits one epoch (3 steps of a global batch of 6, Adam, fp64) on 2 replicas and writes
 OUT/<name>.ckpt with ``trainer.save_checkpoint``; `resume` starts from other weights, fits
 to 6 steps with ``ckpt_path=`` on N replicas (the per-replica batch 6 / N: the same global
 batches) and replica 0 writes the final weights and Adam state to OUT/<name>-N.pt.
+`reference` (one process, before any strategy of ours) writes what they are compared with
+to OUT/reference.pt: one device's epoch without Lightning (`reference_epoch`) and
+Lightning's own save and resume on one device (`reference_resumed`). Phases joined by "+"
+run in that order in the same processes (the one-device resume starts with the reference
+runs: one process start, one import of Lightning, fewer).
 """
+import gc
 import os
 import sys
 
@@ -121,7 +128,25 @@ def fit(name, replicas, max_steps, seed, ckpt_path=None):
     return trainer, model
 
 
-def main(out, phase, replicas):
+def reference(out):
+    """Writes OUT/reference.pt: {"epoch": reference_epoch(), "resumed": reference_resumed()}."""
+    directory = os.path.join(out, "reference")
+    os.makedirs(directory, exist_ok=True)
+    torch.save({"epoch": reference_epoch(), "resumed": reference_resumed(directory)},
+               os.path.join(out, "reference.pt"))
+
+
+def main(out, phases, replicas):
+    for phase in phases.split("+"):
+        if phase == "reference":
+            reference(out)
+        elif phase in ("save", "resume"):
+            run_strategies(out, phase, replicas)
+        else:
+            raise SystemExit(f"unknown phase {phase!r}: save, resume or reference")
+
+
+def run_strategies(out, phase, replicas):
     for name in STRATEGIES:
         path = os.path.join(out, f"{name}.ckpt")
         if phase == "save":
@@ -143,3 +168,6 @@ def main(out, phase, replicas):
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    # Python's finalisation would walk every object Lightning's import made (seconds per
+    # replica on a loaded machine); frozen, they are left to the process's end.
+    gc.freeze()
