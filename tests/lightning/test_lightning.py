@@ -5,21 +5,43 @@ with a timeout), because both launchers under comparison start the second replic
 running the command again: Lightning's own `strategy="ddp"` (CPU, gloo, devices=2) and our
 re-execution launcher. Lightning's ddp picks its rendezvous port through the OS (no
 MASTER_PORT in the environment), and so does ours.
+
+Each launch costs seconds of Lightning imports per process, so the five launches
+(`SCENARIOS`) start once, at the module's first test, two at a time
+(tests/lightning/scenario_runner.py), while the in-process tests run; each test reads the
+result of the launch it is about, and a launch that failed fails only the tests reading it,
+with its own output. Each launch's first process is a fresh interpreter that imported
+torchstrategy and Lightning in a known order, so the registration tests read what it
+recorded there (before it trained) instead of starting interpreters of their own.
 """
+import json
+import math
 import os
+import signal
 import subprocess
 import sys
-import textwrap
+import time
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 import torchstrategy as ts
-from tests.helpers.lightning_runs import ROOT, clean_env, run_training
+from tests.helpers.lightning_runs import ROOT, SUBPROCESS_TIMEOUT_SECONDS, clean_env
 
 pytestmark = pytest.mark.lightning
 
 TOLERANCE = dict(atol=1e-6, rtol=0)
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "lightning_train.py")
+RUNNER = os.path.join(ROOT, "tests", "lightning", "scenario_runner.py")
+# Launches running at once: each re-executed launch imports in one process and then in the
+# other, so two launches keep two cores busy.
+PARALLEL_LAUNCHES = 2
+# Every collective's bound in the launches (clean_env's is 60 s). Replica 0 waits in the
+# rendezvous while replica 1 imports torch and Lightning (10 s of CPU), which the other
+# launch and the in-process tests slow down on a loaded machine; a hang still fails within
+# the launch's own timeout.
+COLLECTIVE_TIMEOUT_SECONDS = 120
 
 
 def _assert_same_weights(ours, theirs):
@@ -29,170 +51,138 @@ def _assert_same_weights(ours, theirs):
                                    msg=lambda m: f"{key}: {m}")
 
 
-# -- equivalence with Lightning's DDP ----------------------------------------------------
-# Each launch of two Lightning replicas costs seconds of imports: the script fits again in
-# the same world (--also NAME): Lightning's own strategy="ddp", which starts nothing and
-# gives the reference, or another of our names under the same torchrun.
-@pytest.fixture(scope="module")
-def boring_mirrored(tmp_path_factory):
-    """Trainer(strategy="mirrored", devices=2), then strategy="ddp" in the same world."""
-    return run_training(tmp_path_factory.mktemp("mirrored"), "--strategy", "mirrored",
-                        "--also", "ddp")
+# -- the launches -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Scenario:
+    """One run of the training script: its arguments, and how it is started (a plain
+    script, a program read on stdin, or under torchrun)."""
+    argv: tuple[str, ...]
+    stdin: bool = False
+    torchrun: bool = False
+
+    def command(self, out_dir):
+        argv = [*self.argv, "--out", str(out_dir)]
+        if self.torchrun:
+            return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node=2", SCRIPT, *argv]
+        if self.stdin:
+            return [sys.executable, "-", *argv]
+        return [sys.executable, SCRIPT, *argv]
+
+
+_MULTI_WORKER = ("--also", "multi_worker_mirrored") if hasattr(ts, "MultiWorkerMirroredStrategy") \
+    else ()
+# In start order (about the longest first). The comments give the import order of each
+# launch's first process, which the registration tests read.
+SCENARIOS = {
+    # Trainer(strategy="mirrored", devices=2) re-executes the script for replica 1, then
+    # strategy="ddp" in the same world. lightning.pytorch after torchstrategy.
+    "boring": Scenario(("--strategy", "mirrored", "--also", "ddp", "--probe-registration")),
+    # ModelCheckpoint and fit(ckpt_path=...), then the same steps uninterrupted.
+    # pytorch_lightning before torchstrategy.
+    "resume": Scenario(("--strategy", "mirrored", "--resume", "--straight-too", "--model",
+                        "regression", "--package", "pytorch_lightning", "--import-order",
+                        "lightning-first", "--max-steps", "8", "--probe-registration")),
+    # LightningStrategy(ts.MirroredStrategy(["cpu:0", "cpu:1"])) launches; then "ddp".
+    # pytorch_lightning after torchstrategy.
+    "regression": Scenario(("--strategy", "instance", "--model", "regression", "--also", "ddp",
+                            "--package", "pytorch_lightning", "--probe-registration")),
+    # Under torchrun: "mirrored", then "multi_worker_mirrored" in the same world.
+    # torchstrategy, then torchstrategy.lightning (which imports lightning.pytorch).
+    "torchrun": Scenario(("--strategy", "mirrored", *_MULTI_WORKER, "--import-order",
+                          "adapter-first"), torchrun=True),
+    # A program read on stdin (as in a notebook): Trainer(strategy="mirrored") is refused,
+    # strategy="mirrored_notebook" forks the replicas at fit. lightning.pytorch before
+    # torchstrategy.
+    "notebook": Scenario(("--strategy", "mirrored_notebook", "--import-order",
+                          "lightning-first", "--probe-registration", "--probe-reexecution"),
+                         stdin=True),
+}
+
+
+class Launches:
+    """The scenarios, run by one scenario_runner.py process; `result` waits for one."""
+
+    def __init__(self, root, scenarios):
+        self._scenarios = dict(scenarios)
+        self._dirs = {name: root / name for name in scenarios}
+        jobs = [{"command": scenario.command(self._dirs[name]),
+                 "stdin": SCRIPT if scenario.stdin else None,
+                 "dir": str(self._dirs[name]), "timeout": SUBPROCESS_TIMEOUT_SECONDS}
+                for name, scenario in scenarios.items()]
+        jobs_file = root / "jobs.json"
+        jobs_file.write_text(json.dumps(jobs))
+        self._runner_log = open(root / "runner.txt", "w+")
+        env = clean_env()
+        env["TORCHSTRATEGY_TIMEOUT_SECONDS"] = str(COLLECTIVE_TIMEOUT_SECONDS)
+        self._runner = subprocess.Popen(
+            [sys.executable, RUNNER, str(jobs_file), str(PARALLEL_LAUNCHES)], cwd=ROOT,
+            env=env, stdout=self._runner_log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+        # The longest a launch can wait for its turn and then run.
+        self._wait_seconds = SUBPROCESS_TIMEOUT_SECONDS * math.ceil(
+            len(jobs) / PARALLEL_LAUNCHES) + 30
+
+    def path(self, name):
+        return self._dirs[name]
+
+    def result(self, name):
+        """What scenario `name`'s replica 0 saved; fails with the launch's own output if it
+        failed."""
+        status_file = self._dirs[name] / "exit_status"
+        deadline = time.monotonic() + self._wait_seconds
+        while not status_file.exists():
+            if self._runner.poll() is not None and not status_file.exists():
+                self._runner_log.seek(0)
+                pytest.fail(f"scenario_runner.py exited with {self._runner.returncode} "
+                            f"before {name!r} ended:\n{self._runner_log.read()[-3000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"{name!r} has not ended after {self._wait_seconds} s")
+            time.sleep(0.2)
+        status = status_file.read_text()
+        if status != "0":
+            stdout = (self._dirs[name] / "stdout.txt").read_text()
+            stderr = (self._dirs[name] / "stderr.txt").read_text()
+            seconds = (self._dirs[name] / "seconds").read_text()
+            if status == "timeout":
+                what = f"ran past its timeout ({SUBPROCESS_TIMEOUT_SECONDS} s) and was killed"
+            elif int(status) < 0:
+                what = f"was killed by {signal.Signals(-int(status)).name} after {seconds} s"
+            else:
+                what = f"exited with {status} after {seconds} s"
+            pytest.fail(f"{name!r} ({' '.join(self._scenarios[name].argv)}) {what}\n"
+                        f"--- stdout ---\n{stdout[-3000:]}\n--- stderr ---\n{stderr[-5000:]}")
+        return torch.load(self._dirs[name] / "result.pt", weights_only=False)
+
+    def close(self):
+        """Ends the runner and the launches still running (after a test failed early)."""
+        if self._runner.poll() is None:
+            self._runner.send_signal(signal.SIGTERM)
+            try:
+                self._runner.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._runner.pid, signal.SIGKILL)
+                self._runner.wait()
+        self._runner_log.close()
 
 
 @pytest.fixture(scope="module")
-def boring_ddp(boring_mirrored):
-    return boring_mirrored["ddp"]
+def launches(tmp_path_factory):
+    started = Launches(tmp_path_factory.mktemp("launches"), SCENARIOS)
+    yield started
+    started.close()
 
 
-@pytest.mark.timeout(400)
-def test_boring_model_registered_name_matches_ddp(boring_mirrored, boring_ddp):
-    """Trainer(strategy="mirrored", devices=2) vs strategy="ddp": same weights after 6
-    optimizer steps of 2 accumulated batches each (no_sync during accumulation)."""
-    ours = boring_mirrored
-    assert ours["strategy"] == "LightningStrategy" and boring_ddp["strategy"] == "DDPStrategy"
-    assert ours["world_size"] == boring_ddp["world_size"] == 2
-    assert ours["global_step"] == boring_ddp["global_step"] == 6
-    _assert_same_weights(ours["state_dict"], boring_ddp["state_dict"])
-    # The runs trained (not a comparison of untouched initial weights).
-    assert any((boring_ddp["state_dict"][key] - value).abs().max() > 1e-3
-               for key, value in _initial_boring_weights().items())
-
-
-def _initial_boring_weights():
-    pl = pytest.importorskip("lightning.pytorch")
-    from lightning.pytorch.demos.boring_classes import BoringModel
-
-    pl.seed_everything(7)
-    return BoringModel().state_dict()
-
-
-@pytest.mark.timeout(400)
-def test_boring_model_in_notebook_mode_matches_ddp(boring_ddp, tmp_path):
-    """Trainer(strategy="mirrored_notebook") from a program read on stdin (where
-    re-execution is impossible, as in a notebook): replicas are forked at fit and the
-    trained weights come back into the calling process."""
-    ours = run_training(tmp_path, "--strategy", "mirrored_notebook", stdin=True)
-    _assert_same_weights(ours["state_dict"], boring_ddp["state_dict"])
-
-
-@pytest.fixture(scope="module")
-def boring_torchrun(tmp_path_factory):
-    """The same script under torchrun: Trainer(strategy="mirrored"), then
-    strategy="multi_worker_mirrored" in the same torchrun world."""
-    also = ("--also", "multi_worker_mirrored") if hasattr(ts, "MultiWorkerMirroredStrategy") \
-        else ()
-    return run_training(tmp_path_factory.mktemp("torchrun"), "--strategy", "mirrored", *also,
-                        torchrun=True)
-
-
-@pytest.mark.timeout(400)
-def test_boring_model_under_torchrun_matches_ddp(boring_torchrun, boring_ddp):
-    """The strategy joins torchrun's world."""
-    ours = boring_torchrun
-    assert ours["world_size"] == 2 and ours["strategy"] == "LightningStrategy"
-    _assert_same_weights(ours["state_dict"], boring_ddp["state_dict"])
-
-
-@pytest.mark.timeout(400)
-def test_boring_model_multi_worker_name_under_torchrun_matches_ddp(boring_torchrun, boring_ddp):
-    """Trainer(strategy="multi_worker_mirrored") under torchrun (one machine here)."""
-    if not hasattr(ts, "MultiWorkerMirroredStrategy"):
-        pytest.skip("MultiWorkerMirroredStrategy is not in this torchstrategy")
-    ours = boring_torchrun["multi_worker_mirrored"]
-    assert ours["world_size"] == 2 and ours["strategy"] == "LightningStrategy"
-    _assert_same_weights(ours["state_dict"], boring_ddp["state_dict"])
-
-
-@pytest.mark.timeout(400)
-def test_regression_fit_validate_test_predict_match_ddp(tmp_path):
-    """LightningStrategy(ts.MirroredStrategy(["cpu:0", "cpu:1"])): weights, synced logged
-    metrics (mean and max), validate/test results and predictions equal DDP's (fitted in
-    the same world after ours)."""
-    ours = run_training(tmp_path, "--strategy", "instance", "--model", "regression",
-                        "--also", "ddp")
-    theirs = ours["ddp"]
-    assert ours["strategy"] == "LightningStrategy" and theirs["strategy"] == "DDPStrategy"
-    _assert_same_weights(ours["state_dict"], theirs["state_dict"])
-    assert set(ours["metrics"]) == {"train_loss", "val_loss", "val_max"}
-    for name, value in theirs["metrics"].items():
-        assert ours["metrics"][name] == pytest.approx(value, abs=1e-6), name
-    for stage in ("validate", "test"):
-        assert ours[stage][0].keys() == theirs[stage][0].keys()
-        for name, value in theirs[stage][0].items():
-            assert ours[stage][0][name] == pytest.approx(value, abs=1e-6), (stage, name)
-    torch.testing.assert_close(ours["predictions"], theirs["predictions"], **TOLERANCE)
-
-
-@pytest.mark.timeout(400)
-def test_checkpoint_resume_with_pytorch_lightning(tmp_path):
-    """pytorch_lightning imported before torchstrategy: ModelCheckpoint written by replica
-    0 with the module's own keys (no "module." prefix); fit(ckpt_path=...) resumed at half
-    way ends exactly where an uninterrupted run (the same launch's next fit) ends."""
-    resumed = run_training(tmp_path / "resumed", "--strategy", "mirrored", "--resume",
-                           "--straight-too", "--model", "regression", "--package",
-                           "pytorch_lightning", "--import-order", "lightning-first",
-                           "--max-steps", "8")
-    straight = resumed["straight"]
-    assert resumed["lightning_modules"] == ["pytorch_lightning"]
-    assert resumed["checkpoint_keys"] == sorted(straight["state_dict"])
-    assert resumed["global_step"] == straight["global_step"] == 8
-    _assert_same_weights(resumed["state_dict"], straight["state_dict"])
-    assert sorted(os.listdir(tmp_path / "resumed" / "ckpt")) == ["epoch=0-step=4.ckpt",
-                                                                   "last.ckpt"]
+@pytest.fixture(scope="module", autouse=True)
+def _start_launches_early(request):
+    """Starts the launches at the module's first test, so that they run while the in-process
+    tests do, where any selected test reads them."""
+    if any("launches" in item.fixturenames for item in request.session.items
+           if item.module is request.module):
+        request.getfixturevalue("launches")
 
 
 # -- registration -----------------------------------------------------------------------
-def _python(code, timeout=120):
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
-                            env=clean_env(), capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
-
-
-@pytest.mark.timeout(150)
-def test_import_torchstrategy_does_not_import_lightning():
-    """`import torchstrategy` imports no Lightning and installs no import hook; importing
-    `torchstrategy.lightning` (or asking for ts.LightningStrategy) is what imports it and
-    registers the names in Lightning's own StrategyRegistry."""
-    out = _python("""
-        import sys
-        hooks = list(sys.meta_path)
-        import torchstrategy as ts
-        print(sorted(m for m in sys.modules if m.split(".")[0] in
-                     ("lightning", "pytorch_lightning", "lightning_fabric")),
-              sys.meta_path == hooks)
-        from torchstrategy.lightning import LightningStrategy
-        from lightning.pytorch.strategies import StrategyRegistry
-        print("mirrored" in StrategyRegistry, ts.LightningStrategy is LightningStrategy,
-              sys.meta_path == hooks)
-    """)
-    assert out.strip().splitlines()[-2:] == ["[] True", "True True True"]
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])
-@pytest.mark.parametrize("order", ["torchstrategy-first", "lightning-first"])
-def test_names_registered_whichever_is_imported_first(package, order):
-    first, second = ("import torchstrategy", f"import {package} as pl")
-    if order == "lightning-first":
-        first, second = second, first
-    out = _python(f"""
-        {first}
-        {second}
-        import {package} as pl
-        from {package}.strategies import StrategyRegistry
-        from torchstrategy.lightning import LightningStrategy
-        names = [n for n in ("mirrored", "mirrored_notebook", "one_device") if n in StrategyRegistry]
-        trainer = pl.Trainer(strategy="one_device", accelerator="cpu", devices=1, logger=False)
-        print(names, isinstance(trainer.strategy, LightningStrategy),
-              isinstance(trainer.strategy, pl.strategies.Strategy), trainer.strategy.torchstrategy)
-    """)
-    assert out.strip().splitlines()[-1] == (
-        "['mirrored', 'mirrored_notebook', 'one_device'] True True "
-        "OneDeviceStrategy(device='cpu:0')")
-
-
 def test_registered_names_do_not_collide_with_lightnings_own():
     from lightning.pytorch.strategies import StrategyRegistry
 
@@ -304,26 +294,6 @@ def test_registered_name_with_wrong_device_count_is_a_clear_error():
         _trainer(strategy="mirrored", accelerator="cpu", devices=2, num_nodes=2)
 
 
-@pytest.mark.timeout(150)
-def test_mirrored_where_reexecution_is_impossible_names_the_notebook_mode():
-    """A program read from stdin (like a notebook) cannot be re-executed: the error says
-    to use strategy="mirrored_notebook"."""
-    code = textwrap.dedent("""
-        import lightning.pytorch as pl
-        import torchstrategy.lightning
-        try:
-            pl.Trainer(strategy="mirrored", accelerator="cpu", devices=2, logger=False)
-        except RuntimeError as error:
-            print("ERROR:", error)
-    """)
-    result = subprocess.run([sys.executable, "-"], input=code, cwd=ROOT, env=clean_env(),
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "cannot re-execute an interactive session or a notebook" in result.stdout
-    assert "With Lightning, use Trainer(strategy='mirrored_notebook') to start the " \
-        "replicas at fit time instead." in result.stdout, result.stdout
-
-
 def test_one_process_strategies_are_refused_with_the_reason():
     """CentralStorageStrategy runs its replicas as threads of one process; Lightning's loop
     runs once per process, so the adapter refuses it (by name or object) and says why."""
@@ -423,3 +393,155 @@ def test_adapter_is_a_module_level_class_of_either_package(package):
     cls = type(strategy)
     assert importlib.import_module(cls.__module__).LightningStrategy is cls
     assert "mirrored" in module.StrategyRegistry
+
+
+# -- equivalence with Lightning's DDP (the launches) --------------------------------------
+@pytest.fixture(scope="module")
+def boring_mirrored(launches):
+    """Trainer(strategy="mirrored", devices=2), then strategy="ddp" in the same world."""
+    return launches.result("boring")
+
+
+@pytest.fixture(scope="module")
+def boring_ddp(boring_mirrored):
+    return boring_mirrored["ddp"]
+
+
+@pytest.mark.timeout(600)
+def test_boring_model_registered_name_matches_ddp(boring_mirrored, boring_ddp):
+    """Trainer(strategy="mirrored", devices=2) vs strategy="ddp": same weights after 6
+    optimizer steps of 2 accumulated batches each (no_sync during accumulation)."""
+    ours = boring_mirrored
+    assert ours["strategy"] == "LightningStrategy" and boring_ddp["strategy"] == "DDPStrategy"
+    assert ours["world_size"] == boring_ddp["world_size"] == 2
+    assert ours["global_step"] == boring_ddp["global_step"] == 6
+    _assert_same_weights(ours["state_dict"], boring_ddp["state_dict"])
+    # The runs trained (not a comparison of untouched initial weights).
+    assert any((boring_ddp["state_dict"][key] - value).abs().max() > 1e-3
+               for key, value in _initial_boring_weights().items())
+
+
+def _initial_boring_weights():
+    pl = pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    pl.seed_everything(7)
+    return BoringModel().state_dict()
+
+
+@pytest.mark.timeout(600)
+def test_boring_model_in_notebook_mode_matches_ddp(launches, boring_ddp):
+    """Trainer(strategy="mirrored_notebook") from a program read on stdin (where
+    re-execution is impossible, as in a notebook): replicas are forked at fit and the
+    trained weights come back into the calling process."""
+    ours = launches.result("notebook")
+    _assert_same_weights(ours["state_dict"], boring_ddp["state_dict"])
+
+
+@pytest.fixture(scope="module")
+def boring_torchrun(launches):
+    """The same script under torchrun: Trainer(strategy="mirrored"), then
+    strategy="multi_worker_mirrored" in the same torchrun world."""
+    return launches.result("torchrun")
+
+
+@pytest.mark.timeout(600)
+def test_boring_model_under_torchrun_matches_ddp(boring_torchrun, boring_ddp):
+    """The strategy joins torchrun's world."""
+    ours = boring_torchrun
+    assert ours["world_size"] == 2 and ours["strategy"] == "LightningStrategy"
+    _assert_same_weights(ours["state_dict"], boring_ddp["state_dict"])
+
+
+@pytest.mark.timeout(600)
+def test_boring_model_multi_worker_name_under_torchrun_matches_ddp(boring_torchrun, boring_ddp):
+    """Trainer(strategy="multi_worker_mirrored") under torchrun (one machine here)."""
+    if not hasattr(ts, "MultiWorkerMirroredStrategy"):
+        pytest.skip("MultiWorkerMirroredStrategy is not in this torchstrategy")
+    ours = boring_torchrun["multi_worker_mirrored"]
+    assert ours["world_size"] == 2 and ours["strategy"] == "LightningStrategy"
+    _assert_same_weights(ours["state_dict"], boring_ddp["state_dict"])
+
+
+@pytest.mark.timeout(600)
+def test_regression_fit_validate_test_predict_match_ddp(launches):
+    """LightningStrategy(ts.MirroredStrategy(["cpu:0", "cpu:1"])) (of pytorch_lightning,
+    the package imported): weights, synced logged metrics (mean and max), validate/test
+    results and predictions equal DDP's (fitted in the same world after ours)."""
+    ours = launches.result("regression")
+    theirs = ours["ddp"]
+    assert ours["lightning_modules"] == ["pytorch_lightning"]
+    assert ours["strategy"] == "LightningStrategy" and theirs["strategy"] == "DDPStrategy"
+    _assert_same_weights(ours["state_dict"], theirs["state_dict"])
+    assert set(ours["metrics"]) == {"train_loss", "val_loss", "val_max"}
+    for name, value in theirs["metrics"].items():
+        assert ours["metrics"][name] == pytest.approx(value, abs=1e-6), name
+    for stage in ("validate", "test"):
+        assert ours[stage][0].keys() == theirs[stage][0].keys()
+        for name, value in theirs[stage][0].items():
+            assert ours[stage][0][name] == pytest.approx(value, abs=1e-6), (stage, name)
+    torch.testing.assert_close(ours["predictions"], theirs["predictions"], **TOLERANCE)
+
+
+@pytest.mark.timeout(600)
+def test_checkpoint_resume_with_pytorch_lightning(launches):
+    """pytorch_lightning imported before torchstrategy: ModelCheckpoint written by replica
+    0 with the module's own keys (no "module." prefix); fit(ckpt_path=...) resumed at half
+    way ends exactly where an uninterrupted run (the same launch's next fit) ends."""
+    resumed = launches.result("resume")
+    straight = resumed["straight"]
+    assert resumed["lightning_modules"] == ["pytorch_lightning"]
+    assert resumed["import_order"] == "lightning-first"
+    assert resumed["checkpoint_keys"] == sorted(straight["state_dict"])
+    assert resumed["global_step"] == straight["global_step"] == 8
+    _assert_same_weights(resumed["state_dict"], straight["state_dict"])
+    assert sorted(os.listdir(launches.path("resume") / "ckpt")) == ["epoch=0-step=4.ckpt",
+                                                                      "last.ckpt"]
+
+
+# -- registration, read in the launches' fresh interpreters ----------------------------------
+@pytest.mark.timeout(600)
+def test_import_torchstrategy_does_not_import_lightning(boring_torchrun):
+    """`import torchstrategy` imports no Lightning and installs no import hook; importing
+    `torchstrategy.lightning` (or asking for ts.LightningStrategy) is what imports it and
+    registers the names in Lightning's own StrategyRegistry (recorded by the torchrun
+    launch's replica 0 as it imported them, in that order, before anything else)."""
+    assert boring_torchrun["import_order"] == "adapter-first"
+    assert boring_torchrun["imports"] == {
+        "lightning_after_torchstrategy": [], "hooks_unchanged_after_torchstrategy": True,
+        "registered_by_adapter": True, "same_class": True,
+        "hooks_unchanged_after_adapter": True}
+
+
+# (package, which is imported first) -> the launch whose first process imported them so.
+_IMPORTED_SO = {("lightning.pytorch", "torchstrategy-first"): "boring",
+                ("lightning.pytorch", "lightning-first"): "notebook",
+                ("pytorch_lightning", "torchstrategy-first"): "regression",
+                ("pytorch_lightning", "lightning-first"): "resume"}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])
+@pytest.mark.parametrize("order", ["torchstrategy-first", "lightning-first"])
+def test_names_registered_whichever_is_imported_first(launches, package, order):
+    """In a fresh interpreter that imported `package` and torchstrategy in `order`, then
+    torchstrategy.lightning: our names are in the package's StrategyRegistry, and
+    Trainer(strategy="one_device") builds our adapter (a Lightning Strategy of that
+    package) on a OneDeviceStrategy."""
+    run = launches.result(_IMPORTED_SO[package, order])
+    assert run["lightning_modules"] == [package.split(".")[0]]
+    assert run["import_order"] == order
+    assert run["registration"] == {
+        "names": ["mirrored", "mirrored_notebook", "one_device"], "is_adapter": True,
+        "is_lightning_strategy": True, "torchstrategy": "OneDeviceStrategy(device='cpu:0')"}
+
+
+@pytest.mark.timeout(600)
+def test_mirrored_where_reexecution_is_impossible_names_the_notebook_mode(launches):
+    """A program read from stdin (like a notebook) cannot be re-executed: the error says
+    to use strategy="mirrored_notebook"."""
+    error = launches.result("notebook")["reexecution_error"]
+    assert error is not None, "Trainer(strategy='mirrored') was built from stdin"
+    assert "cannot re-execute an interactive session or a notebook" in error
+    assert "With Lightning, use Trainer(strategy='mirrored_notebook') to start the " \
+        "replicas at fit time instead." in error, error

@@ -2,7 +2,8 @@
 
     python tests/scripts/lightning_train.py --strategy ddp|mirrored|instance|one_device \
         --model boring|regression --out DIR [--package lightning|pytorch_lightning] [--resume]
-        [--also NAME ...] [--straight-too]
+        [--also NAME ...] [--straight-too] [--import-order ORDER] [--probe-registration]
+        [--probe-reexecution]
 
 Run as a plain script (Lightning's ddp and our re-execution launcher both start the other
 replica by running this command again). Replica 0 writes DIR/result.pt: the final
@@ -14,22 +15,40 @@ in the world the first fit's launcher made (Lightning's own ``"ddp"`` finds its 
 and process group and starts nothing; so do ours), giving result[NAME];
 ``--straight-too`` (with ``--resume``) then trains uninterrupted for all the steps
 (result["straight"]).
+
+A fresh interpreter is also what the registration tests need (what is registered depends
+on what was imported first), so before it trains the run records, in the process the test
+started (not in the replicas a launcher started: their result is not saved):
+``--probe-registration`` our names in the package's StrategyRegistry and the Trainer built
+for ``strategy="one_device"`` (result["registration"]); ``--probe-reexecution`` the error
+of ``Trainer(strategy="mirrored", devices=2)`` in a program that cannot be re-executed
+(read on stdin; result["reexecution_error"]). With ``--import-order adapter-first`` every
+process records what ``import torchstrategy`` and then ``import torchstrategy.lightning``
+each did (result["imports"]).
 """
-import argparse
-import importlib
-import os
 import sys
 
-import torch
-import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+# Taken before any import: `import torchstrategy` must add no import hook.
+META_PATH_AT_START = list(sys.meta_path)
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import importlib  # noqa: E402
+import os  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--strategy", required=True)
 parser.add_argument("--model", default="boring")
 parser.add_argument("--out", required=True)
 parser.add_argument("--package", default="lightning")
-parser.add_argument("--import-order", default="torchstrategy-first")
+parser.add_argument("--import-order", default="torchstrategy-first",
+                    choices=["torchstrategy-first", "lightning-first", "adapter-first"],
+                    help="adapter-first: torchstrategy, then torchstrategy.lightning (which "
+                         "imports Lightning itself), then the package")
 parser.add_argument("--max-steps", type=int, default=6)
 parser.add_argument("--resume", action="store_true",
                     help="train half the steps, then resume from the checkpoint")
@@ -37,16 +56,41 @@ parser.add_argument("--also", action="append", default=[],
                     help="then train again with this strategy in the same world")
 parser.add_argument("--straight-too", action="store_true",
                     help="then train again uninterrupted, for all the steps")
+parser.add_argument("--probe-registration", action="store_true",
+                    help="record our names in the registry and Trainer(strategy='one_device')")
+parser.add_argument("--probe-reexecution", action="store_true",
+                    help="record the error of Trainer(strategy='mirrored', devices=2)")
 args = parser.parse_args()
+if args.import_order == "adapter-first" and args.package != "lightning":
+    parser.error("--import-order adapter-first imports the installed Lightning: "
+                 "--package lightning")
+# Started by a launcher (re-execution, torchrun) as one of its replicas.
+LAUNCHED_REPLICA = "RANK" in os.environ
 
-if args.import_order == "torchstrategy-first":
+
+def lightning_modules():
+    return sorted(m for m in sys.modules
+                  if m.split(".")[0] in ("lightning", "pytorch_lightning", "lightning_fabric"))
+
+
+IMPORTS = {}
+if args.import_order == "adapter-first":
+    import torchstrategy as ts
+    IMPORTS["lightning_after_torchstrategy"] = lightning_modules()
+    IMPORTS["hooks_unchanged_after_torchstrategy"] = sys.meta_path == META_PATH_AT_START
+    from torchstrategy.lightning import LightningStrategy
+    from lightning.pytorch.strategies import StrategyRegistry
+    IMPORTS["registered_by_adapter"] = "mirrored" in StrategyRegistry
+    IMPORTS["same_class"] = ts.LightningStrategy is LightningStrategy
+    IMPORTS["hooks_unchanged_after_adapter"] = sys.meta_path == META_PATH_AT_START
+elif args.import_order == "torchstrategy-first":
     import torchstrategy as ts
 pl = importlib.import_module("lightning.pytorch" if args.package == "lightning"
                              else "pytorch_lightning")
 demos = importlib.import_module(f"{pl.__name__}.demos.boring_classes")
-if args.import_order != "torchstrategy-first":
+if args.import_order == "lightning-first":
     import torchstrategy as ts
-from torchstrategy.lightning import LightningStrategy
+from torchstrategy.lightning import LightningStrategy  # noqa: E402
 
 
 class Regression(pl.LightningModule):
@@ -165,16 +209,47 @@ def fit(strategy_name, resume=False):
     return result, trainer.is_global_zero
 
 
+def registration_probe():
+    """Our names in the package's registry, and the Trainer that one of them builds."""
+    names = [n for n in ("mirrored", "mirrored_notebook", "one_device")
+             if n in pl.strategies.StrategyRegistry]
+    trainer = pl.Trainer(strategy="one_device", accelerator="cpu", devices=1, logger=False)
+    return {"names": names,
+            "is_adapter": isinstance(trainer.strategy, LightningStrategy),
+            "is_lightning_strategy": isinstance(trainer.strategy, pl.strategies.Strategy),
+            "torchstrategy": repr(trainer.strategy.torchstrategy)}
+
+
+def reexecution_probe():
+    """The error of a Trainer whose strategy would re-execute this program (None if none)."""
+    try:
+        pl.Trainer(strategy="mirrored", accelerator="cpu", devices=2, logger=False)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
 def main():
+    probes = {"imports": IMPORTS}
+    if not LAUNCHED_REPLICA:
+        if args.probe_registration:
+            probes["registration"] = registration_probe()
+        if args.probe_reexecution:
+            probes["reexecution_error"] = reexecution_probe()
     result, chief = fit(args.strategy, resume=args.resume)
+    result.update(probes)
     for name in args.also:
         result[name], _ = fit(name)
     if args.straight_too:
         result["straight"], _ = fit(args.strategy)
     result["lightning_modules"] = sorted(m for m in ("lightning", "pytorch_lightning")
                                          if m in sys.modules)
+    result["import_order"] = args.import_order
     if chief:
         torch.save(result, os.path.join(args.out, "result.pt"))
+    # Python's finalisation would walk every object the imports made (seconds per replica on
+    # a loaded machine); frozen, they are left to the process's end.
+    gc.freeze()
 
 
 if __name__ == "__main__":
