@@ -1,9 +1,7 @@
-"""Run by tests/sharded/test_checkpoint_matrix.py as a plain script (each strategy
-re-executes it for the other replicas): Lightning checkpoints under every strategy.
+"""Run by tests/sharded/test_checkpoint_matrix.py as a plain script: Lightning checkpoints
+under every strategy.
 
-    python tests/sharded/lightning_matrix_script.py OUT save 2       # 3 steps, a checkpoint
-    python tests/sharded/lightning_matrix_script.py OUT resume N     # resumed to 6 steps
-    python tests/sharded/lightning_matrix_script.py OUT reference+resume 1
+    python tests/sharded/lightning_matrix_script.py OUT
 
 For each of Trainer(strategy="mirrored" / "multi_worker_mirrored" / "sharded"): `save`
 fits one epoch (3 steps of a global batch of 6, Adam, fp64) on 2 replicas and writes
@@ -12,11 +10,16 @@ to 6 steps with ``ckpt_path=`` on N replicas (the per-replica batch 6 / N: the s
 batches) and replica 0 writes the final weights and Adam state to OUT/<name>-N.pt.
 `reference` (one process, before any strategy of ours) writes what they are compared with
 to OUT/reference.pt: one device's epoch without Lightning (`reference_epoch`) and
-Lightning's own save and resume on one device (`reference_resumed`). Phases joined by "+"
-run in that order in the same processes (the one-device resume starts with the reference
-runs: one process start, one import of Lightning, fewer).
+Lightning's own save and resume on one device (`reference_resumed`).
+
+This process imports Lightning once and forks every replica from it
+(tests/helpers/forked_worlds.py, torchrun's variables: each strategy finds its world): first
+the save on 2 replicas, then, side by side, the resume on 2 and one process that runs the
+references and then resumes on 1. Every resume is a new process that never saw the save. A
+failed or hung replica (killed after --timeout seconds) is named on stderr with its traceback;
+the exit status is then 1.
 """
-import gc
+import argparse
 import os
 import sys
 
@@ -25,6 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning.pytorch as pl
 import torchstrategy.lightning  # noqa: F401  (registers the strategy names)
+from tests.helpers.forked_worlds import Forked, run_forked, world
 
 STRATEGIES = ("mirrored", "multi_worker_mirrored", "sharded")
 GLOBAL_BATCH = 6
@@ -136,14 +140,26 @@ def reference(out):
                os.path.join(out, "reference.pt"))
 
 
-def main(out, phases, replicas):
+def run_phases(out, phases, replicas):
+    """One replica's part: `phases` ("+"-joined) in order."""
     for phase in phases.split("+"):
         if phase == "reference":
             reference(out)
-        elif phase in ("save", "resume"):
-            run_strategies(out, phase, replicas)
         else:
-            raise SystemExit(f"unknown phase {phase!r}: save, resume or reference")
+            run_strategies(out, phase, replicas)
+
+
+def main(out, timeout):
+    rounds = [world("save on 2", 2, run_phases, out, "save", 2),
+              world("resume on 2", 2, run_phases, out, "resume", 2)
+              + [Forked("reference, then resume on 1", run_phases,
+                        (out, "reference+resume", 1))]]
+    for children in rounds:
+        failures = run_forked(children, timeout)
+        if failures:
+            print("\n".join(failures), file=sys.stderr, flush=True)
+            return 1
+    return 0
 
 
 def run_strategies(out, phase, replicas):
@@ -167,7 +183,8 @@ def run_strategies(out, phase, replicas):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
-    # Python's finalisation would walk every object Lightning's import made (seconds per
-    # replica on a loaded machine); frozen, they are left to the process's end.
-    gc.freeze()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--timeout", type=float, default=150.0)
+    arguments = parser.parse_args()
+    sys.exit(main(arguments.out, arguments.timeout))
