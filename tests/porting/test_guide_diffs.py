@@ -8,8 +8,7 @@ deterministic and CPU-capable (multigpu_torchrun.py) is compared with its port
 (multigpu_torchrun_ported.py, the same changes).
 
 Each port and its original run under ``torchrun --standalone --nproc-per-node=2`` on gloo
-(one torchrun kept for the module, its replicas forked from it: harness.KeptTorchrun), from
-the same start, and are compared bit for bit: what they
+(as a user launches them), from the same start, and are compared bit for bit: what they
 print (losses, progress, resume messages) and the weights they save. The DDP tutorial
 resumes from a snapshot (its ``loc`` mapping on load, a snapshot without ``module.``
 keys saved after), nanoGPT trains with dropout 0.1, accumulation over a prefetched batch
@@ -23,19 +22,11 @@ import torch
 
 from tests.porting.programs import harness as harness_lib
 from tests.porting.programs.harness import (
-    PRELOAD, PROGRAMS, REPOSITORY, UPSTREAM_TUTORIAL, KeptTorchrun, apply_diff,
-    assert_identical, guide_diffs, parse_diff, ported_program, torchrun)
+    PROGRAMS, REPOSITORY, UPSTREAM_TUTORIAL, apply_diff, assert_identical, guide_diffs,
+    parse_diff, ported_program, torchrun)
 
 NANOGPT = "tests/porting/programs/nanogpt_train.py"
 LIGHTNING = "tests/porting/programs/lightning_ddp.py"
-
-
-@pytest.fixture(scope="module")
-def kept_torchrun():
-    """One torchrun for every launch of this module, Lightning imported with torch."""
-    kept = KeptTorchrun(preload=(*PRELOAD, "lightning.pytorch"))
-    yield kept
-    kept.close()
 
 
 def test_every_diff_of_the_guide_applies_to_a_tested_program():
@@ -65,7 +56,7 @@ def test_the_diff_applier_refuses_a_diff_that_does_not_match():
         parse_diff("-b\n+B\n")
 
 
-def test_ddp_tutorial_port_resumes_and_equals_ddp(tmp_path, kept_torchrun):
+def test_ddp_tutorial_port_resumes_and_equals_ddp(tmp_path):
     torch.manual_seed(7)
     snapshot = {"MODEL_STATE": torch.nn.Linear(20, 1).state_dict(), "EPOCHS_RUN": 1}
     runs = {}
@@ -75,8 +66,7 @@ def test_ddp_tutorial_port_resumes_and_equals_ddp(tmp_path, kept_torchrun):
         torch.save(snapshot, directory / "snapshot.pt")
         program = PROGRAMS / ("multigpu_torchrun.py" if kind == "ddp" else
                               "multigpu_torchrun_ported.py")
-        output = torchrun(program, "3", "1", cwd=directory, reference=kind == "ddp",
-                          kept=kept_torchrun)
+        output = torchrun(program, "3", "1", cwd=directory, reference=kind == "ddp")
         runs[kind] = (output, torch.load(directory / "snapshot.pt"))
     (ddp_out, ddp_snap), (port_out, port_snap) = runs["ddp"], runs["port"]
     losses = re.findall(r"\[GPU(\d)\] Epoch (\d) \| Losses: (\[[^\]]*\])", ddp_out)
@@ -89,14 +79,14 @@ def test_ddp_tutorial_port_resumes_and_equals_ddp(tmp_path, kept_torchrun):
     assert_identical(port_snap["MODEL_STATE"], ddp_snap["MODEL_STATE"], "tutorial snapshot")
 
 
-def test_nanogpt_port_logs_and_trains_as_ddp(tmp_path, kept_torchrun):
+def test_nanogpt_port_logs_and_trains_as_ddp(tmp_path):
     runs = {}
     for kind in ("ddp", "port"):
         directory = tmp_path / kind
         directory.mkdir()
         program = PROGRAMS / "nanogpt_train.py" if kind == "ddp" else \
             ported_program(NANOGPT, directory)
-        output = torchrun(program, cwd=directory, reference=kind == "ddp", kept=kept_torchrun)
+        output = torchrun(program, cwd=directory, reference=kind == "ddp")
         runs[kind] = (output, torch.load(directory / "out" / "ckpt.pt"))
     (ddp_out, ddp_ckpt), (port_out, port_ckpt) = runs["ddp"], runs["port"]
     assert re.findall(r"^iter \d+: loss .*$", ddp_out, re.MULTILINE)
@@ -109,7 +99,7 @@ def test_nanogpt_port_logs_and_trains_as_ddp(tmp_path, kept_torchrun):
         assert_identical(port_ckpt["optimizer"]["state"][index], state, f"AdamW state {index}")
 
 
-def test_lightning_port_logs_and_trains_as_ddp(tmp_path, monkeypatch, kept_torchrun):
+def test_lightning_port_logs_and_trains_as_ddp(tmp_path, monkeypatch):
     # As after a script's seed_everything: Lightning's "ddp" re-seeds every replica from
     # PL_GLOBAL_SEED when it sets up; the port must draw the same dropout masks.
     monkeypatch.setenv("PL_GLOBAL_SEED", "5")
@@ -119,7 +109,7 @@ def test_lightning_port_logs_and_trains_as_ddp(tmp_path, monkeypatch, kept_torch
         directory.mkdir()
         program = PROGRAMS / "lightning_ddp.py" if kind == "ddp" else \
             ported_program(LIGHTNING, directory)
-        output = torchrun(program, cwd=directory, reference=kind == "ddp", kept=kept_torchrun)
+        output = torchrun(program, cwd=directory, reference=kind == "ddp")
         losses = re.findall(r"^\[rank (\d)\] batch (\d+) loss (\S+)$", output,
                             re.MULTILINE)
         checkpoint = torch.load(directory / "final.ckpt", weights_only=False)

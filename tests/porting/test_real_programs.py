@@ -18,10 +18,6 @@ built whole.)
 
 nanoGPT (dropout 0.1, accumulation with its prefetched batch) is checked through the
 guide's own diff in test_guide_diffs.py.
-
-Every launch of this module is made by one kept torchrun (harness.KeptTorchrun), which
-forks its replicas from itself (``--run-path --start-method=fork``) instead of starting an
-interpreter for each.
 """
 import re
 import shutil
@@ -29,7 +25,7 @@ import shutil
 import pytest
 import torch
 
-from tests.porting.programs.harness import PROGRAMS, KeptTorchrun, assert_identical, torchrun
+from tests.porting.programs.harness import PROGRAMS, assert_identical, torchrun
 
 LOSS_LINE = re.compile(r"^\[GPU(\d)\] Epoch (\d+) \| Iter (\d+) \| (Train|Eval) Loss (\S+)$",
                        re.MULTILINE)
@@ -43,22 +39,15 @@ def _losses(output):
 
 
 @pytest.fixture(scope="module")
-def kept_torchrun():
-    kept = KeptTorchrun()
-    yield kept
-    kept.close()
-
-
-@pytest.fixture(scope="module")
-def mingpt_runs(tmp_path_factory, kept_torchrun):
+def mingpt_runs(tmp_path_factory):
     runs = {}
     for kind, program in (("ddp", "mingpt_ddp.py"), ("port", "mingpt_ddp_ported.py")):
         directory = tmp_path_factory.mktemp(kind)
         first = torchrun(PROGRAMS / program, "--max_epochs=1", cwd=directory,
-                         reference=kind == "ddp", kept=kept_torchrun)
+                        reference=kind == "ddp")
         first_snapshot = torch.load(directory / "snapshot.pt")
         resumed = torchrun(PROGRAMS / program, "--max_epochs=2", "--use_amp=True", cwd=directory,
-                           reference=kind == "ddp", kept=kept_torchrun)
+                           reference=kind == "ddp")
         runs[kind] = {"fp32": (first, first_snapshot),
                       "fp16_resumed": (resumed, torch.load(directory / "snapshot.pt"))}
     return runs
@@ -104,15 +93,14 @@ FSDP2_LOSS_LINE = re.compile(r"^\[rank (\d)\] step (\d+) loss (\S+)$", re.MULTIL
 
 
 @pytest.fixture(scope="module")
-def fsdp2_runs(tmp_path_factory, kept_torchrun):
+def fsdp2_runs(tmp_path_factory):
     fresh = tmp_path_factory.mktemp("fsdp2_fresh")
-    torchrun(PROGRAMS / "fsdp2_example.py", cwd=fresh, reference=True, kept=kept_torchrun)
+    torchrun(PROGRAMS / "fsdp2_example.py", cwd=fresh, reference=True)
     runs = {}
     for kind, program in (("fsdp2", "fsdp2_example.py"), ("port", "fsdp2_example_ported.py")):
         directory = tmp_path_factory.mktemp(kind)
         shutil.copytree(fresh / "checkpoints", directory / "checkpoints")
-        output = torchrun(PROGRAMS / program, cwd=directory, reference=kind == "fsdp2",
-                          kept=kept_torchrun)
+        output = torchrun(PROGRAMS / program, cwd=directory, reference=kind == "fsdp2")
         last = directory / "checkpoints" / "last"
         runs[kind] = (output, torch.load(last / "model_state_dict.pt"),
                       torch.load(last / "optim_state_dict.pt"))

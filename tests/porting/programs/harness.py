@@ -9,11 +9,8 @@ counts must match its header, so a guide that drifts from the programs fails its
 """
 from __future__ import annotations
 
-import json
 import os
 import re
-import select
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,10 +25,6 @@ GUIDE = REPOSITORY / "docs" / "porting_from_ddp.md"
 # The guide's first diff is against this file of pytorch/examples, as published.
 UPSTREAM_TUTORIAL = "distributed/ddp-tutorial-series/multigpu_torchrun.py"
 RUN_TIMEOUT_SECONDS = 300
-# What a kept torchrun imports before its first launch: what each replica would import
-# (torchstrategy, whose import has no side effects; torch._dynamo, which torch.optim loads
-# at the first optimizer).
-PRELOAD = ("torch._dynamo", "torchstrategy")
 # The variables torchrun sets: a test process must not hand its own to the launched world.
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                       "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -146,80 +139,13 @@ def _aborted_at_exit_only(returncode: int, per_rank: dict[int, Path]) -> bool:
     return returncode != 0 and bool(aborted)
 
 
-class KeptTorchrun:
-    """One torchrun kept running (torchrun_agent.py) for several launches, one at a time:
-    it imported torch and `preload` once, and forks each launch's replicas from itself, so
-    a launch costs neither an interpreter start nor an import of torch. Each replica runs
-    its program as ``python PROGRAM`` would and ends through its exit handlers
-    (forked_replica.py). Started on first use; `close` ends it (a module-scoped fixture's
-    teardown)."""
-
-    def __init__(self, preload: tuple[str, ...] = PRELOAD):
-        self._preload = preload
-        self._process: subprocess.Popen[str] | None = None
-        descriptor, name = tempfile.mkstemp(prefix="kept-torchrun-", suffix=".log")
-        os.close(descriptor)
-        self._log = Path(name)      # what the kept torchrun prints (it appends)
-
-    def launch(self, torchrun_arguments: list[str], cwd: Path, env: dict[str, str],
-               timeout: float) -> tuple[int, str]:
-        """Runs torchrun with `torchrun_arguments` in `cwd` and `env`; its exit code, and
-        what torchrun printed meanwhile. Past `timeout` seconds, the kept torchrun and its
-        replicas are killed and the exit code is -9."""
-        if self._process is None or self._process.poll() is not None:
-            with self._log.open("ab") as log:
-                self._process = subprocess.Popen(
-                    [sys.executable, str(PROGRAMS / "torchrun_agent.py"),
-                     ",".join(self._preload)],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
-                    env=env, start_new_session=True)
-        assert self._process.stdin is not None and self._process.stdout is not None
-        start = self._log.stat().st_size
-        request = {"cwd": str(cwd), "env": env,
-                   "argv": ["--run-path", "--start-method=fork", *torchrun_arguments]}
-        self._process.stdin.write(json.dumps(request) + "\n")
-        self._process.stdin.flush()
-        ready, _, _ = select.select([self._process.stdout], [], [], timeout)
-        answer = self._process.stdout.readline() if ready else ""
-        output = self._log.read_bytes()[start:].decode(errors="replace")
-        if answer.startswith("exited "):
-            return int(answer.split()[1]), output
-        self.close(kill=True)
-        why = f"killed: the launch had not ended after {timeout} s" if not ready else \
-            "the kept torchrun ended without answering"
-        return -9, f"{output}\n({why})"
-
-    def close(self, kill: bool = False) -> None:
-        """Ends the kept torchrun (at once with `kill`: it and every replica it forked)."""
-        process, self._process = self._process, None
-        if process is None:
-            self._log.unlink(missing_ok=True)
-            return
-        if kill:
-            os.killpg(process.pid, signal.SIGKILL)
-        else:
-            assert process.stdin is not None
-            process.stdin.close()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        if not kill:
-            self._log.unlink(missing_ok=True)
-
-
 def torchrun(program: Path, *args: str, cwd: Path, nproc: int = 2,
-             reference: bool = False, kept: KeptTorchrun | None = None) -> str:
+             reference: bool = False) -> str:
     """Runs `program` as torchrun does (``--standalone``: a free port, so tests may run in
     parallel) with `nproc` processes on this machine, in `cwd`; returns what the processes
     printed, each process's whole stdout in rank order (torchrun redirects them to files,
     so the lines of two processes never cut each other). A failure is an AssertionError
     carrying every process's output.
-
-    `kept`: the launch is made by that kept torchrun, its replicas forked from it (torchrun's
-    ``--run-path --start-method=fork``); without it, by a new torchrun whose replicas are
-    fresh interpreters, as a user's plain ``torchrun`` starts them.
 
     `reference`: `program` is a plain torch original (DDP, FSDP2) run only to compare
     against: torch's own abort at interpreter exit (`TORCH_EXIT_ABORT`) is then reported
@@ -229,29 +155,24 @@ def torchrun(program: Path, *args: str, cwd: Path, nproc: int = 2,
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPOSITORY), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"     # the replicas share the machine's cores
     logs = Path(tempfile.mkdtemp(prefix="torchrun-logs-", dir=cwd))
-    options = ["--standalone", f"--nproc-per-node={nproc}", f"--log-dir={logs}", "--redirects=3"]
-    if kept is not None:
-        returncode, launcher_output = kept.launch(
-            [*options, str(PROGRAMS / "forked_replica.py"), str(program), *args], cwd, env,
-            RUN_TIMEOUT_SECONDS)
-    else:
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *options,
-                               str(program), *args],
-                              cwd=cwd, env=env, capture_output=True, text=True,
-                              timeout=RUN_TIMEOUT_SECONDS)
-        returncode, launcher_output = done.returncode, done.stdout + done.stderr
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", f"--log-dir={logs}", "--redirects=3",
+               str(program), *args]
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_SECONDS)
     per_rank = {int(path.parent.name): path.parent for path in logs.rglob("stdout.log")}
     outputs = [(per_rank[rank] / "stdout.log").read_text() for rank in sorted(per_rank)]
-    if reference and len(outputs) == nproc and _aborted_at_exit_only(returncode, per_rank):
+    if reference and len(outputs) == nproc and _aborted_at_exit_only(done.returncode,
+                                                                       per_rank):
         print(f"{program.name}: torch's abort at exit in the reference run "
               f"({TORCH_EXIT_ABORT!r}); its outputs are compared as usual", file=sys.stderr)
         return "".join(outputs)
-    if returncode != 0 or len(outputs) != nproc:
+    if done.returncode != 0 or len(outputs) != nproc:
         errors = "".join(f"-- rank {rank} --\n{(per_rank[rank] / 'stdout.log').read_text()}"
                          f"{(per_rank[rank] / 'stderr.log').read_text()[-4000:]}"
                          for rank in sorted(per_rank))
-        raise AssertionError(f"{program.name} {' '.join(args)} failed (exit code {returncode})"
-                             f":\n{errors}\n-- torchrun --\n{launcher_output[-3000:]}")
+        raise AssertionError(f"{program.name} {' '.join(args)} failed:\n{errors}\n"
+                             f"-- torchrun --\n{(done.stdout + done.stderr)[-3000:]}")
     return "".join(outputs)
 
 
