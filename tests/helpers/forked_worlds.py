@@ -18,13 +18,14 @@ OpenBLAS pool, which OpenBLAS quiesces and restarts around a fork with pthread_a
 """
 import os
 import signal
-import socket
 import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from tests.helpers.multi_machine import free_port
 
 
 @dataclass
@@ -34,13 +35,6 @@ class Forked:
     function: Callable[..., Any]
     args: tuple = ()
     env: dict = field(default_factory=dict)
-
-
-def free_port() -> int:
-    """A loopback port free now (the OS's pick)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def world(name: str, replicas: int, function: Callable[..., Any], *args: Any) -> list[Forked]:
