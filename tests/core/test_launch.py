@@ -8,6 +8,8 @@ import time
 import pytest
 import torch
 
+import torchstrategy as ts
+
 from tests.helpers import SCRIPTS
 from tests.helpers.processes import alive, plain_environment, take_sigint_by_default
 
@@ -135,3 +137,27 @@ def test_without_gpus_the_default_is_one_cpu_replica_and_one_log_line():
     assert result.stdout.strip() == "1 (device(type='cpu'),)"
     assert result.stderr.strip() == \
         "torchstrategy: MirroredStrategy with 1 replica(s) on devices ('cpu:0',)"
+
+
+def _modules_a_replica_imports_to_train():
+    """Inside a ts.launch replica: the modules its first training step imports."""
+    import_free = set(sys.modules)
+    strategy = ts.MirroredStrategy()
+    with strategy.scope():
+        model = torch.nn.Linear(4, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        model(x).sum().backward()
+        optimizer.step()
+
+    strategy.run(step, args=(torch.ones(2, 4),))
+    return sorted(name for name in set(sys.modules) - import_free
+                  if name.split(".")[:2] == ["torch", "_dynamo"])
+
+
+def test_launch_replicas_start_with_what_an_optimizer_imports():
+    # torch imports torch._dynamo at the first optimizer's add_param_group (1-3 s of CPU):
+    # ts.launch's fork server imports it once, so no replica pays it again.
+    assert ts.launch(_modules_a_replica_imports_to_train, num_replicas=2,
+                     timeout_seconds=60) == []
