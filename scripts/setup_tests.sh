@@ -31,6 +31,10 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want_deps" ]; then
   echo "$want_deps" > "$STAMP"
 fi
 
+# The tests' bytecode (their helpers and scripts are imported by every process a test
+# starts), for the reason scripts/setup_env.sh writes the package's.
+"$PY" -m compileall -q -j 0 tests >/dev/null
+
 # SLURM daemons and client, for tests that start a private one-node cluster.
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   if ! command -v slurmctld >/dev/null 2>&1; then
