@@ -29,7 +29,6 @@ import os
 import re
 import socket
 import struct
-import threading
 import time
 from typing import MutableMapping
 
@@ -349,31 +348,21 @@ def _wait_until_every_replica_has_read(store: dist.Store, world_size: int) -> No
 
 
 def _read_advertised(store: dist.Store, world_size: int) -> dict[int, Advertised] | None:
-    """rank -> `Advertised` for the replicas that published, read within a few seconds
-    (None when the store did not answer: its host may be unreachable)."""
+    """rank -> `Advertised` for the replicas that published, each store call answered within
+    `_READ_SECONDS` (None when one was not, or failed: the store's host may be unreachable,
+    and after one unanswered call the others fail at once, so this returns within about
+    `_READ_SECONDS`)."""
+    bounded = rendezvous.BoundedStore(store, _READ_SECONDS)
     found: dict[int, Advertised] = {}
-
-    def read() -> None:
+    try:
         for rank in range(world_size):
             key = ADVERTISED_KEY.format(rank)
-            if store.check([key]):
-                machine, hostname, address = store.get(key).decode().split("\t")
+            if bounded.check([key]):
+                machine, hostname, address = bounded.get(key).decode().split("\t")
                 found[rank] = Advertised(rank, int(machine), hostname, address)
-
-    outcome: list[bool] = []
-
-    def guarded() -> None:
-        try:
-            read()
-            outcome.append(True)
-        except (RuntimeError, OSError, ValueError):
-            pass
-
-    reader = threading.Thread(target=guarded, name="torchstrategy-network-addresses",
-                              daemon=True)
-    reader.start()
-    reader.join(_READ_SECONDS)
-    return found if outcome else None
+    except (RuntimeError, OSError, ValueError):
+        return None
+    return found
 
 
 def connection_error(error: BaseException, rank: int, node_rank: int,

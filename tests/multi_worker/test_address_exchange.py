@@ -1,0 +1,62 @@
+"""The replicas' address exchange (before the process group) never waits on a store that
+stopped answering: a chief's machine lost between publishing and reading is an error
+naming the cause within seconds, not a wait as long as TCP's own timeout."""
+import socket
+import time
+
+import pytest
+import torch.distributed as dist
+
+from torchstrategy.launch import network
+
+# Far longer than the exchange's own bound on a read (5 s): a read that waited for the store
+# would still be blocked when the test checks.
+HUNG_SECONDS = 120
+
+
+class _StoreWhoseReadsHang(dist.Store):
+    """Accepts writes and waits, then blocks every read: the chief's link went down."""
+
+    def __init__(self):
+        super().__init__()
+        self._inner = dist.HashStore()
+
+    def set(self, key, value):
+        self._inner.set(key, value)
+
+    def wait(self, keys, timeout=None):
+        pass
+
+    def check(self, keys):
+        time.sleep(HUNG_SECONDS)
+        return False
+
+    def get(self, key):
+        time.sleep(HUNG_SECONDS)
+        return b""
+
+
+def test_a_store_that_stops_answering_is_named_within_seconds():
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="lost the rendezvous store while the replicas "
+                                           "exchanged their addresses"):
+        network.exchange_addresses(_StoreWhoseReadsHang(), rank=0, node_rank=0, world_size=2,
+                                   timeout_seconds=1)
+    assert time.monotonic() - started < HUNG_SECONDS / 2
+
+
+def test_every_published_address_is_read_back():
+    # Replica 1 on this machine too: one machine may advertise loopback.
+    store = dist.HashStore()
+    store.set(network.ADVERTISED_KEY.format(1), f"0\t{socket.gethostname()}\t127.0.0.1 (lo)")
+    listing = network.exchange_addresses(store, rank=0, node_rank=0, world_size=2,
+                                         timeout_seconds=5)
+    assert sorted(listing) == [0, 1]
+    assert (listing[1].machine, listing[1].ip) == (0, "127.0.0.1")
+    assert listing[0].hostname == socket.gethostname()
+
+
+def test_a_replica_that_never_publishes_is_named():
+    store = dist.HashStore()
+    with pytest.raises(RuntimeError, match=r"replica\(s\) \[1\] did not reach the rendezvous"):
+        network.exchange_addresses(store, rank=0, node_rank=0, world_size=2, timeout_seconds=1)
