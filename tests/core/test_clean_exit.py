@@ -30,8 +30,11 @@ from torchstrategy import _compat, runtime
 def gloo_threads():
     names = []
     for comm in glob.glob("/proc/self/task/*/comm"):
-        with open(comm) as f:
-            names.append(f.read().strip())
+        try:
+            with open(comm) as f:
+                names.append(f.read().strip())
+        except (FileNotFoundError, ProcessLookupError):
+            pass   # the thread ended between the listing and the read: not running
     return sum(name in ("gloo_tcp_loop", "pt_gloo_runloop") for name in names)
 
 
@@ -90,8 +93,11 @@ import time
 def gloo_threads():
     names = []
     for comm in glob.glob("/proc/self/task/*/comm"):
-        with open(comm) as f:
-            names.append(f.read().strip())
+        try:
+            with open(comm) as f:
+                names.append(f.read().strip())
+        except (FileNotFoundError, ProcessLookupError):
+            pass   # the thread ended between the listing and the read: not running
     return sum(name in ("gloo_tcp_loop", "pt_gloo_runloop") for name in names)
 
 
