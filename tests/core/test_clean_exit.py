@@ -13,20 +13,8 @@ from tests.helpers.processes import plain_environment
 
 STRESS_SCRIPT = os.path.join(ROOT, "scripts", "stress_exit.py")
 
-# One process, a world of one (MultiWorkerMirroredStrategy without a launcher: a gloo group
-# of size 1). torch.distributed.nn.functional is imported only after the group exists, as
-# torch._dynamo's lazy import does at the first optimizer: its default arguments then hold
-# the group object.
-PROGRAM = """
-import glob
-import sys
-import time
-
-import torch.distributed as dist
-import torchstrategy as ts
-from torchstrategy import _compat, runtime
-
-
+# How the programs below count gloo's threads (pasted into each: they run as scripts).
+GLOO_THREAD_COUNTING = """
 def gloo_threads():
     names = []
     for comm in glob.glob("/proc/self/task/*/comm"):
@@ -45,7 +33,21 @@ def gloo_threads_started():
     while gloo_threads() == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     return gloo_threads()
+"""
 
+# One process, a world of one (MultiWorkerMirroredStrategy without a launcher: a gloo group
+# of size 1). torch.distributed.nn.functional is imported only after the group exists, as
+# torch._dynamo's lazy import does at the first optimizer: its default arguments then hold
+# the group object.
+PROGRAM = """
+import glob
+import sys
+import time
+
+import torch.distributed as dist
+import torchstrategy as ts
+from torchstrategy import _compat, runtime
+""" + GLOO_THREAD_COUNTING + """
 
 assert "torch.distributed.nn.functional" not in sys.modules, "imported too early"
 strategy = ts.MultiWorkerMirroredStrategy()
@@ -88,27 +90,7 @@ import atexit
 import glob
 import sys
 import time
-
-
-def gloo_threads():
-    names = []
-    for comm in glob.glob("/proc/self/task/*/comm"):
-        try:
-            with open(comm) as f:
-                names.append(f.read().strip())
-        except (FileNotFoundError, ProcessLookupError):
-            pass   # the thread ended between the listing and the read: not running
-    return sum(name in ("gloo_tcp_loop", "pt_gloo_runloop") for name in names)
-
-
-def gloo_threads_started():
-    # gloo's threads name themselves once scheduled: on a loaded machine the name can
-    # come a moment after the group exists, so wait for it (bounded) before counting
-    deadline = time.monotonic() + 20
-    while gloo_threads() == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return gloo_threads()
-
+""" + GLOO_THREAD_COUNTING + """
 
 atexit.register(lambda: print("threads at exit", gloo_threads(), flush=True))
 
