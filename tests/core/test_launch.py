@@ -13,6 +13,9 @@ import torchstrategy as ts
 from tests.helpers import SCRIPTS
 from tests.helpers.processes import alive, plain_environment, take_sigint_by_default
 
+# Tests of how processes exit: they exit as users' do (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("real_exit")
+
 SCRIPT = os.path.join(SCRIPTS, "reexec_train.py")
 FAILING = os.path.join(SCRIPTS, "failing_replica.py")
 
@@ -79,6 +82,24 @@ def test_the_replica_that_raised_first_is_named_after_the_others_raw_error(mode,
     assert (f"torchstrategy: replica 1 exited with code 1 (it raised {error}); the job exits "
             "with its code. Replica 0's error above follows from it") in result.stderr, \
         result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("mode, line", [
+    # Its note ("raised KeyError") is in the store, but its exit handlers outlast every wait.
+    ("sharded_keyerror_slow_exit",
+     "torchstrategy: replica 1 raised KeyError: 'learning_rate', and was still exiting when "
+     "the job stopped it; the job exits with code 1. Replica 0's error above follows from it"),
+    # No note (the program replaced sys.excepthook), and it exits 3 s after its connections
+    # closed: replica 0, whose error says a peer closed its connection, waits for that exit.
+    ("sharded_keyerror_own_excepthook",
+     "torchstrategy: replica 1 exited with code 1; the job exits with its code. Replica 0's "
+     "error above follows from it")])
+def test_a_replica_that_raised_is_named_however_long_its_exit_takes(mode, line):
+    # The CI once lost the line above when a replica's exit was slow on a loaded machine.
+    result = subprocess.run([sys.executable, FAILING, mode], env=plain_environment(),
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert line in result.stderr, result.stderr[-3000:]
 
 
 def test_replica_zero_failing_stops_the_others(tmp_path):

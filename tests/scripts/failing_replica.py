@@ -4,6 +4,12 @@
 MODE:
   sharded_keyerror   ShardedStrategy; replica 1 raises KeyError at its second step while
                      replica 0 goes on into FSDP2's collectives.
+  sharded_keyerror_slow_exit
+                     the same, and replica 1's exit handlers then take 60 s (an experiment
+                     tracker's final upload): its connections close long before it exits.
+  sharded_keyerror_own_excepthook
+                     the same, replica 1 having set its own sys.excepthook (so it writes no
+                     note of its exception), and its exit handlers take 3 s.
   init_fn_raises     ShardedStrategy(init_fn=...) on a model built on meta; the function
                      raises on replica 1 only.
   launch_blocked     ts.launch of 2 replicas: replica 0 waits in a collective, replica 1
@@ -17,6 +23,7 @@ MODE:
                      (the test sends SIGTERM).
   launch_compile     ts.launch of 2 replicas that each run one torch.compile'd step.
 """
+import atexit
 import multiprocessing.util
 import os
 import sys
@@ -66,6 +73,26 @@ def compiled_step():
     return 1
 
 
+def sharded_keyerror(exit_handler_seconds=0.0, own_excepthook=False):
+    if os.environ.get("RANK") == "1" and exit_handler_seconds:
+        # Registered before the strategy's: it runs after the process group is released.
+        atexit.register(time.sleep, exit_handler_seconds)
+    strategy = ts.ShardedStrategy(devices=["cpu:0", "cpu:1"])
+    with strategy.scope():
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rid = strategy.extended.replica_id
+    if rid == 1 and own_excepthook:
+        sys.excepthook = lambda kind, value, tb: print(f"my hook: {kind.__name__}",
+                                                       file=sys.stderr)
+    for step in range(4):
+        if step == 1 and rid == 1:
+            {}["learning_rate"]   # a KeyError on one replica
+        strategy.run(lambda: model(torch.ones(4, 8)).sum().backward())
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def write(outdir, name, text):
     with open(os.path.join(outdir, name + ".part"), "w") as f:
         f.write(text)
@@ -87,17 +114,11 @@ if __name__ == "__main__":
     elif mode == "torchrun_blocked":
         deadlocked(sys.argv[2])
     elif mode == "sharded_keyerror":
-        strategy = ts.ShardedStrategy(devices=["cpu:0", "cpu:1"])
-        with strategy.scope():
-            model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        rid = strategy.extended.replica_id
-        for step in range(4):
-            if step == 1 and rid == 1:
-                {}["learning_rate"]   # a KeyError on one replica
-            strategy.run(lambda: model(torch.ones(4, 8)).sum().backward())
-            optimizer.step()
-            optimizer.zero_grad()
+        sharded_keyerror()
+    elif mode == "sharded_keyerror_slow_exit":
+        sharded_keyerror(exit_handler_seconds=60)
+    elif mode == "sharded_keyerror_own_excepthook":
+        sharded_keyerror(exit_handler_seconds=3, own_excepthook=True)
     elif mode == "init_fn_raises":
         strategy = ts.ShardedStrategy(devices=["cpu:0", "cpu:1"], init_fn=init_fn)
         with strategy.scope():

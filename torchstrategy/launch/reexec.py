@@ -47,6 +47,15 @@ _INTERRUPT_GRACE_SECONDS = 2.0
 # replicas ended: its store calls are bounded at `rendezvous.BoundedStore`'s 5 s (and after
 # one timed out, the others fail at once).
 _WATCH_END_SECONDS = 10.0
+# How long replica 0, failed in a collective, waits for another replica to fail first:
+# `_NAMING_GRACE_SECONDS` in general; `_PEER_CLOSED_GRACE_SECONDS` when its error says a
+# peer closed its connection, since that replica is then certainly ending, but may still be
+# running its exit handlers (a logger's upload, the interpreter's teardown: seconds on a
+# loaded machine) after its connections closed. A replica that announced its end or wrote
+# its exception in the store is then waited for `_ENDING_GRACE_SECONDS` more, for its code.
+_NAMING_GRACE_SECONDS = 1.0
+_PEER_CLOSED_GRACE_SECONDS = 30.0
+_ENDING_GRACE_SECONDS = 10.0
 
 
 def reexec_command() -> list[str]:
@@ -307,6 +316,7 @@ class Supervisor:
         # (rank, exit code) of the first replica that failed
         self.failure: tuple[int, int] | None = None
         self.main_failed = False
+        self.main_lost_a_peer = False  # replica 0's error: a peer closed its connection
         self.interrupted = False  # Ctrl-C (SIGINT): the user's, not a replica's failure
         self.stopping = False     # we are terminating the replicas: their deaths are ours
         self.exiting = False      # replica 0's main thread is in its exit handler
@@ -341,6 +351,7 @@ class Supervisor:
         def hook(kind: type[BaseException], value: BaseException,
                  tb: TracebackType | None) -> None:
             self.main_failed = True
+            self.main_lost_a_peer = world_lib.is_peer_closed_error(str(value))
             if issubclass(kind, KeyboardInterrupt):
                 self.interrupted = True
             previous(kind, value, tb)
@@ -459,22 +470,13 @@ class Supervisor:
         rank, code = self.failure
         return code if code > 0 else 128 - code
 
-    def _wait_for_ending_children(self, seconds: float = _TERMINATE_GRACE_SECONDS * 2) -> None:
+    def _wait_for_ending_children(self, deadline: float) -> None:
         """Replica 0 failed, often because a replica ended first (its program returned or
         called sys.exit, or it raised) while replica 0 waited in a collective with it: such
         a replica announced its end or wrote its exception in the store and is on its way
-        out, so its exit code is waited for (bounded) and, if it is not 0, becomes the
-        job's."""
-        if self.store is None:
-            return
-        try:
-            ending = [rank for rank, child in self.children.items() if child.poll() is None
-                      and (self.store.check([world_lib.FINISHED_KEY.format(rank)]) or
-                           self.store.check([world_lib.ENDED_KEY.format(rank)]))]
-        except (RuntimeError, OSError):  # the store is unusable: nothing more to learn
-            return
-        deadline = time.monotonic() + seconds
-        for rank in ending:
+        out, so its exit code is waited for (until `deadline`, a `time.monotonic()`) and,
+        if it is not 0, becomes the job's."""
+        for rank in self._ending_children():
             try:
                 code = self.children[rank].wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -483,6 +485,18 @@ class Supervisor:
                 with self.lock:
                     self.failure = self.failure or (rank, code)
                 return
+
+    def _ending_children(self) -> list[int]:
+        """The replicas still running that announced their end or wrote their exception
+        in the store: they are on their way out."""
+        if self.store is None:
+            return []
+        try:
+            return [rank for rank, child in self.children.items() if child.poll() is None
+                    and (self.store.check([world_lib.FINISHED_KEY.format(rank)]) or
+                         self.store.check([world_lib.ENDED_KEY.format(rank)]))]
+        except (RuntimeError, OSError):  # the store is unusable: nothing more to learn
+            return []
 
     def _failed_child(self) -> tuple[int, int] | None:
         """(rank, exit code) of a replica that failed, not counting one interrupted by
@@ -503,19 +517,27 @@ class Supervisor:
         self.exiting = True
         if self.main_failed:
             # Replica 0's error is often the symptom ("connection closed by peer") of
-            # another replica dying first: report and exit with that replica's code.
-            deadline = time.monotonic() + 1.0
-            while self.failure is None and time.monotonic() < deadline:
+            # another replica dying first: report and exit with that replica's code. When
+            # the error says so, that replica's exit is waited for until it comes (bounded),
+            # not for a fixed moment: its connections close before its exit handlers end.
+            start = time.monotonic()
+            grace = _PEER_CLOSED_GRACE_SECONDS if self.main_lost_a_peer else _NAMING_GRACE_SECONDS
+            while self.failure is None and time.monotonic() < start + grace:
                 failed = self._failed_child()
                 if failed is not None:
                     with self.lock:
                         self.failure = self.failure or failed
+                elif self.main_lost_a_peer and (
+                        any(child.poll() is not None for child in self.children.values())
+                        or self._ending_children()):
+                    break   # a replica ended, not in failure, or is on its way out
                 time.sleep(_POLL_SECONDS / 2)
             if self.failure is None:
-                self._wait_for_ending_children()
+                self._wait_for_ending_children(time.monotonic() + _ENDING_GRACE_SECONDS)
             self.terminate_all()
             if self.failure is not None:
                 self._exit_with_failure()
+            self._exit_naming_a_stopped_replica_that_raised()
             self._wait_for_watch()
             if self.interrupted:
                 # Python ends the process as interrupted (SIGINT; exit status 130 in a shell).
@@ -570,6 +592,28 @@ class Supervisor:
               f"with its code.{follows}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(self.exit_code())
+
+
+    def _exit_naming_a_stopped_replica_that_raised(self) -> None:
+        """Replica 0 failed, and no other replica's exit code told why: one that wrote in
+        the store that it raised an exception, but was still running its exit handlers
+        when it was stopped, is the cause. It is named with its exception, and the job
+        exits with 1, the code of an uncaught exception. Returns if there is none."""
+        if self.store is None or self.interrupted:
+            return
+        for rank in sorted(self.children):
+            key = world_lib.ENDED_KEY.format(rank)
+            try:
+                note = self.store.get(key).decode(errors="replace") \
+                    if self.store.check([key]) else ""
+            except (RuntimeError, OSError):  # the store is unusable: nothing to learn
+                return
+            if note.startswith("raised"):
+                print(f"torchstrategy: replica {rank} {note}, and was still exiting when the "
+                      "job stopped it; the job exits with code 1. Replica 0's error above "
+                      "follows from it: fix that replica's.", file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(1)
 
 
 def _interrupted(code: int) -> bool:

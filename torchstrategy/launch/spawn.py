@@ -302,13 +302,9 @@ def launch(fn: Callable[..., Any], *args: Any, num_replicas: int,
         del store
 
 
-_FOLLOW_ON_ERRORS = ("CollectiveError", "DistBackendError", "DistNetworkError", "DistError")
-
-
 def _is_follow_on(info: tuple[str, str, str, bytes | None]) -> bool:
     """Errors that are usually the consequence of another replica failing first."""
-    name, message = info[0], info[1]
-    return name in _FOLLOW_ON_ERRORS or "Connection closed by peer" in message
+    return world_lib.is_follow_on_error(info[0], info[1])
 
 
 def _root_cause(rank: int, info: tuple[str, str, str, bytes | None],

@@ -38,6 +38,22 @@ FINISHED_KEY = "torchstrategy/finished/{}"
 # call then waits a moment for the note of a replica that ended).
 ENDED_KEY = "torchstrategy/ended/{}"
 ENDS_RECORDED_KEY = "torchstrategy/ends-recorded"
+# Errors a replica gets when another replica failed first: torch's distributed errors, and
+# gloo's text for a peer whose end of the connection closed (it ended, or was killed).
+FOLLOW_ON_ERRORS = ("CollectiveError", "DistBackendError", "DistNetworkError", "DistError")
+PEER_CLOSED_TEXTS = ("Connection closed by peer", "Connection reset by peer")
+
+
+def is_follow_on_error(name: str, message: str) -> bool:
+    """Whether an error named `name` (its class's name) with `message` is usually the
+    consequence of another replica failing first, rather than a cause of its own."""
+    return name in FOLLOW_ON_ERRORS or any(text in message for text in PEER_CLOSED_TEXTS)
+
+
+def is_peer_closed_error(message: str) -> bool:
+    """Whether `message` says that the replica at the other end of a connection closed it:
+    that replica is ending (or ended), so its exit code is about to be known."""
+    return any(text in message for text in PEER_CLOSED_TEXTS)
 # torchrun's variables that describe a worker's place in the world (torch's
 # torch.distributed.elastic agent sets them all; the ROLE_ ones equal the global ones with
 # the single role torchrun knows).
