@@ -1,7 +1,37 @@
 import importlib.util
+import os
+
+import pytest
 
 # tests/xla/ needs torch_xla and runs in its own environment (.venv-xla, see scripts/test.sh).
 collect_ignore = [] if importlib.util.find_spec("torch_xla") else ["xla"]
+
+
+# Every Python process the suite starts (and its own workers) skips the garbage collector's
+# walk over the whole heap at exit: 1.2-1.5 s of CPU per process that imported torch
+# (tests/helpers/fast_exit/sitecustomize.py says what else it changes). The files that test
+# how processes exit use the `real_exit` fixture; TORCHSTRATEGY_TESTS_REAL_EXIT=1 turns it
+# off everywhere.
+FAST_EXIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "fast_exit")
+if os.environ.get("TORCHSTRATEGY_TESTS_REAL_EXIT") != "1" and \
+        FAST_EXIT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [FAST_EXIT,
+                                                             os.environ.get("PYTHONPATH")]))
+
+
+@pytest.fixture(scope="module")
+def real_exit():
+    """The processes this module's tests start exit as users' do, collector included (for
+    the tests of exit paths: clean shutdown, exit codes, nothing left behind). Module-wide
+    (``pytestmark = pytest.mark.usefixtures("real_exit")``), so that it also covers the
+    processes of module fixtures."""
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != FAST_EXIT]
+    with pytest.MonkeyPatch.context() as patch:
+        if path:
+            patch.setenv("PYTHONPATH", os.pathsep.join(path))
+        else:
+            patch.delenv("PYTHONPATH", raising=False)
+        yield
 
 
 # The longest test files start first, and every whole-suite run records how long each file

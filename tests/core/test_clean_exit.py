@@ -11,6 +11,9 @@ import pytest
 from tests.helpers import ROOT
 from tests.helpers.processes import plain_environment
 
+# Tests of how processes exit: they exit as users' do (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("real_exit")
+
 STRESS_SCRIPT = os.path.join(ROOT, "scripts", "stress_exit.py")
 
 # How the programs below count gloo's threads (pasted into each: they run as scripts).
@@ -53,6 +56,7 @@ assert "torch.distributed.nn.functional" not in sys.modules, "imported too early
 strategy = ts.MultiWorkerMirroredStrategy()
 assert dist.is_initialized() and dist.get_backend() == "gloo"
 import torch.distributed.nn.functional as functional  # after the group: binds it
+
 group = _compat.default_process_group()
 held = sum(value is group for value in functional.all_reduce.__defaults__)
 del group

@@ -23,7 +23,7 @@ import torch
 
 from tests.helpers.lightning_runs import ROOT, SUBPROCESS_TIMEOUT_SECONDS, clean_env
 
-pytestmark = pytest.mark.lightning
+pytestmark = [pytest.mark.lightning, pytest.mark.usefixtures("real_exit")]  # exits as users' do
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "lightning_backup.py")
 # save_freq: the step at which its first attempt fails, the step of the backup it leaves.

@@ -14,7 +14,7 @@ from tests.helpers import SCRIPTS
 from tests.helpers.processes import alive, plain_environment
 
 SCRIPT = os.path.join(SCRIPTS, "reliability_launch.py")
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("real_exit")]  # exits as users' do
 
 
 def _wait_for(paths, process, seconds=120):

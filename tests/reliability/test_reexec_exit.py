@@ -21,6 +21,9 @@ import pytest
 
 from tests.helpers import ROOT
 
+# Tests of how processes exit: they exit as users' do (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("real_exit")
+
 PROGRAM = textwrap.dedent("""
     import datetime
     import subprocess
