@@ -593,7 +593,6 @@ class Supervisor:
         sys.stdout.flush()
         os._exit(self.exit_code())
 
-
     def _exit_naming_a_stopped_replica_that_raised(self) -> None:
         """Replica 0 failed, and no other replica's exit code told why: one that wrote in
         the store that it raised an exception, but was still running its exit handlers
