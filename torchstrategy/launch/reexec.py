@@ -419,13 +419,20 @@ class Supervisor:
         """"exited with code 1 (it raised KeyError: 'x')": the exit code, and the
         exception the replica wrote in the store, if any."""
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        try:
-            key = world_lib.ENDED_KEY.format(rank)
-            note = self.store.get(key).decode(errors="replace") \
-                if self.store is not None and self.store.check([key]) else ""
-        except (RuntimeError, OSError):
-            note = ""
+        note = self._end_note(rank)
         return f"{how} (it {note})" if note.startswith(("raised", "called")) else how
+
+    def _end_note(self, rank: int) -> str:
+        """How replica `rank` ended, as written in the store (`world_lib.ENDED_KEY`);
+        "" if nothing is written or the store is unusable."""
+        if self.store is None:
+            return ""
+        key = world_lib.ENDED_KEY.format(rank)
+        try:
+            return self.store.get(key).decode(errors="replace") \
+                if self.store.check([key]) else ""
+        except (RuntimeError, OSError):
+            return ""
 
     def _on_failure(self, rank: int, code: int) -> None:
         with self.lock:
@@ -598,15 +605,10 @@ class Supervisor:
         the store that it raised an exception, but was still running its exit handlers
         when it was stopped, is the cause. It is named with its exception, and the job
         exits with 1, the code of an uncaught exception. Returns if there is none."""
-        if self.store is None or self.interrupted:
+        if self.interrupted:
             return
         for rank in sorted(self.children):
-            key = world_lib.ENDED_KEY.format(rank)
-            try:
-                note = self.store.get(key).decode(errors="replace") \
-                    if self.store.check([key]) else ""
-            except (RuntimeError, OSError):  # the store is unusable: nothing to learn
-                return
+            note = self._end_note(rank)
             if note.startswith("raised"):
                 print(f"torchstrategy: replica {rank} {note}, and was still exiting when the "
                       "job stopped it; the job exits with code 1. Replica 0's error above "

@@ -47,7 +47,7 @@ PEER_CLOSED_TEXTS = ("Connection closed by peer", "Connection reset by peer")
 def is_follow_on_error(name: str, message: str) -> bool:
     """Whether an error named `name` (its class's name) with `message` is usually the
     consequence of another replica failing first, rather than a cause of its own."""
-    return name in FOLLOW_ON_ERRORS or any(text in message for text in PEER_CLOSED_TEXTS)
+    return name in FOLLOW_ON_ERRORS or is_peer_closed_error(message)
 
 
 def is_peer_closed_error(message: str) -> bool:
