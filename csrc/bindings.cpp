@@ -100,6 +100,7 @@ void bind_reducer(py::module_& m) {
              return out;
            })
       .def("flags", &Reducer::flags)
+      .def("bucket_complete", &Reducer::bucket_complete)
       .def("is_bucket_view", &Reducer::is_bucket_view)
       .def("launches_on_process_group", &Reducer::launches_on_process_group)
       .def("stats", &Reducer::stats);

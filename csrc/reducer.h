@@ -138,6 +138,14 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // waited for; when every bucket launched on the process group was complete here, nothing
   // reads the sum, so it is not waited for (two buffers take turns: see flags_work_).
   at::Tensor flags() const { return flags_; }
+  // Whether bucket `index` (launch order) was launched with every parameter ready in this
+  // backward: then all of its "contributed" flags are 1 here, and a stage that runs while
+  // backward goes on needs not read them (a device sync on a GPU).
+  bool bucket_complete(int64_t index) const {
+    TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(buckets_.size()),
+                "bucket index ", index, " out of range");
+    return buckets_[static_cast<size_t>(index)].complete;
+  }
   // True when buckets are launched on the c10d process group from C++; false when they go
   // through the cross-device ops' Python all_reduce_async.
   bool launches_on_process_group() const { return static_cast<bool>(process_group_); }

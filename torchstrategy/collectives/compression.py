@@ -49,6 +49,9 @@ class GradBucket:
         step, after launching the last bucket and before waiting for any: a stage whose
         reduction runs when waited for (error feedback) reads them summed, and a parameter
         some replica contributed to has a flag > 0. Stages read them; none sums them again.
+      complete: True when every parameter of the bucket got its gradient in this backward
+        before the bucket was launched: then this replica's flags are all 1 (known without
+        reading `flags`, which on a GPU would wait for the device).
     """
 
     index: int
@@ -58,10 +61,19 @@ class GradBucket:
     offsets: tuple[int, ...]
     numels: tuple[int, ...]
     flags: torch.Tensor
+    complete: bool = False
 
     def gradient(self, k: int) -> torch.Tensor:
         """The slot of parameter `k` (slot order), flat: a view into `buffer`."""
         return self.buffer.narrow(0, self.offsets[k], self.numels[k])
+
+    def contributed(self) -> list[bool]:
+        """Per parameter (slot order), whether its flag is > 0: some replica contributed
+        once the reducer has summed the flags, this replica did before. A complete bucket
+        needs no read of `flags` (on a GPU, a wait for the device)."""
+        if self.complete:
+            return [True] * len(self.indices)
+        return [bool(f) for f in (self.flags > 0).tolist()]
 
     @property
     def flags_at(self) -> int:
@@ -80,23 +92,52 @@ class ErrorFeedback:
     """Base of the error-feedback compressors: each replica adds the residual it kept from
     the previous synchronised step to its gradient, sends a compressed form of the sum, and
     keeps what the compressed form missed. The first `warmup_steps` synchronised steps are
-    all-reduced uncompressed (bit for bit the default reduction)."""
+    all-reduced uncompressed (bit for bit the default reduction).
+
+    ``overlap`` (every compressor's argument) says *when* a bucket is compressed, not what
+    travels: False (the default) compresses every bucket once backward has finished; True
+    compresses a bucket and starts sending it as soon as its gradients are ready, while
+    backward goes on (on a GPU, on a side stream), and completes its reduction when
+    backward has finished. docs/gradient_reduction.md ("Compression during backward")
+    gives the measurements behind the default."""
 
     warmup_steps: int = 0
+    overlap: bool = False
 
     def _settings(self) -> dict[str, Any]:
+        """What the compressed result depends on (and a saved state belongs to)."""
         raise NotImplementedError("abstract: subclasses list their settings")
+
+    def _all_settings(self) -> dict[str, Any]:
+        settings = self._settings()
+        if self.overlap:   # shown only when not the default, so the usual repr is short
+            settings["overlap"] = True
+        return settings
+
+    def state_tag(self) -> str:
+        """The name a saved error-feedback state carries: the compressor and the settings
+        its state depends on. ``overlap`` is not one of them: a state saved with it on
+        loads with it off, and the other way round."""
+        args = ", ".join(f"{k}={v!r}" for k, v in self._settings().items())
+        return f"{type(self).__name__}({args})"
 
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self) and \
-            self._settings() == other._settings()
+            self._all_settings() == other._all_settings()
 
     def __hash__(self) -> int:
-        return hash((type(self).__name__, tuple(sorted(self._settings().items()))))
+        return hash((type(self).__name__, tuple(sorted(self._all_settings().items()))))
 
     def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self._settings().items())
+        args = ", ".join(f"{k}={v!r}" for k, v in self._all_settings().items())
         return f"{type(self).__name__}({args})"
+
+
+def _check_overlap(name: str, overlap: Any) -> bool:
+    if not isinstance(overlap, bool):
+        raise ValueError(f"{name} overlap must be True or False (compress each bucket while "
+                         f"backward goes on, or after it), got {overlap!r}.")
+    return overlap
 
 
 class PowerSGD(ErrorFeedback):
@@ -113,12 +154,16 @@ class PowerSGD(ErrorFeedback):
       rank: the rank of the approximation (bytes and accuracy grow with it).
       warmup_steps: synchronised steps all-reduced uncompressed before compression starts.
       seed: the seed of the first Q (the same on every replica).
+      overlap: compress each bucket while backward goes on (`ErrorFeedback`).
 
     Raises:
-      ValueError: `rank` < 1, negative `warmup_steps`, or a seed that is not an int.
+      ValueError: `rank` < 1, negative `warmup_steps`, a seed that is not an int, or an
+        `overlap` that is not a bool.
     """
 
-    def __init__(self, rank: int = 4, warmup_steps: int = 0, seed: int = 0) -> None:
+    def __init__(self, rank: int = 4, warmup_steps: int = 0, seed: int = 0,
+                 overlap: bool = False) -> None:
+        self.overlap = _check_overlap("PowerSGD", overlap)
         self.rank = _check_int("PowerSGD rank", rank, 1, "the rank of the approximation")
         self.warmup_steps = _check_int("PowerSGD warmup_steps", warmup_steps, 0,
                                        "uncompressed steps first")
@@ -153,12 +198,16 @@ class Int8(ErrorFeedback):
     Args:
       chunk_size: elements sharing one scale (smaller: more accurate, more scales).
       warmup_steps: synchronised steps all-reduced uncompressed before compression starts.
+      overlap: compress each bucket while backward goes on (`ErrorFeedback`).
 
     Raises:
-      ValueError: `chunk_size` < 1 or negative `warmup_steps`.
+      ValueError: `chunk_size` < 1, negative `warmup_steps`, or an `overlap` that is not a
+        bool.
     """
 
-    def __init__(self, chunk_size: int = 1024, warmup_steps: int = 0) -> None:
+    def __init__(self, chunk_size: int = 1024, warmup_steps: int = 0,
+                 overlap: bool = False) -> None:
+        self.overlap = _check_overlap("Int8", overlap)
         self.chunk_size = _check_int("Int8 chunk_size", chunk_size, 1,
                                      "elements sharing one scale")
         self.warmup_steps = _check_int("Int8 warmup_steps", warmup_steps, 0,
@@ -190,14 +239,18 @@ class OneBitAdam(ErrorFeedback):
         estimated) before compression starts; at least 1.
       block_size: elements sharing one scale, a multiple of 8 (the signs travel 8 to a
         byte).
+      overlap: compress each bucket while backward goes on (`ErrorFeedback`).
 
     Raises:
-      ValueError: betas outside [0, 1), a negative eps, `warmup_steps` < 1, or a
-        `block_size` that is not a positive multiple of 8.
+      ValueError: betas outside [0, 1), a negative eps, `warmup_steps` < 1, a
+        `block_size` that is not a positive multiple of 8, or an `overlap` that is not a
+        bool.
     """
 
     def __init__(self, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 warmup_steps: int = 100, block_size: int = 2048) -> None:
+                 warmup_steps: int = 100, block_size: int = 2048,
+                 overlap: bool = False) -> None:
+        self.overlap = _check_overlap("OneBitAdam", overlap)
         if not isinstance(betas, (tuple, list)) or len(betas) != 2 or \
                 not all(isinstance(b, (int, float)) and not isinstance(b, bool) and
                         0.0 <= b < 1.0 for b in betas):

@@ -4,8 +4,10 @@
 each full bucket (in bucket order) as a `GradBucket` (its flat buffer, parameters, slot
 offsets and flags, as the C++ core laid them out) instead of all-reducing it; the returned
 handle does the compressed reduction when the core waits for it, after backward has
-finished (so compressed buckets do not overlap backward). The core keeps doing everything else as
-without compression: accumulation under ``no_sync``, averaging (`ts.scale_mean_loss`: the
+finished. With ``overlap=True`` (an argument of every compressor) the stage compresses the
+bucket and launches its first collectives at once, while backward goes on (on a GPU, on a
+side stream), and the handle completes the reduction. The core keeps doing everything
+else as without compression: accumulation under ``no_sync``, averaging (`ts.scale_mean_loss`: the
 bucket already holds gradient / N, and the approximation of the sum of those is the
 approximation of the mean), the "contributed" flags (one per parameter, outside the
 buckets, summed by the core before any handle of this stage is waited for), and the
@@ -41,6 +43,7 @@ them all.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import warnings
 from typing import Any, Callable
@@ -55,7 +58,8 @@ from torchstrategy.collectives.onebit import OneBitAdamReduction
 
 
 class _Deferred:
-    """A bucket's compressed reduction, run when the reducer waits for it."""
+    """A bucket's compressed reduction, completed when the reducer waits for it: `run` is
+    the whole reduction, or the rest of one started at launch."""
 
     def __init__(self, run: Callable[[], None]) -> None:
         self._run: Callable[[], None] | None = run
@@ -63,8 +67,18 @@ class _Deferred:
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         if self._run is not None:
             run, self._run = self._run, None
-            run()
+            with torch.no_grad():
+                run()
         return True
+
+
+#: What a started reduction leaves to do once backward has finished.
+_Finish = Callable[[], None]
+
+
+def _wait(work: Any) -> None:
+    """Waits for a collective launched with ``async_op=True``; its failure raises here."""
+    work.wait()
 
 
 def orthonormalize(p: torch.Tensor) -> torch.Tensor:
@@ -84,8 +98,15 @@ class ErrorFeedbackStage:
     """Runs `compression` on the buckets the gradient reducer hands it (see the module
     docstring), over `group`.
 
+    Every reduction has two halves: `_start` (build what travels and launch its
+    collectives) and the `_Finish` it returns (wait for them, write the bucket, keep the
+    residual). Without ``overlap`` both run when the reducer waits for the bucket, after
+    backward; with it the first runs when the bucket is launched, while backward goes on,
+    and every collective is still issued in the same order on every replica (launches in
+    bucket order, then the flags, then the finishes in bucket order).
+
     Args:
-      compression: a `PowerSGD` or `Int8`.
+      compression: a `PowerSGD`, `Int8` or `OneBitAdam`.
       group: the process group of the strategy's replicas (None: the default group).
     """
 
@@ -112,14 +133,42 @@ class ErrorFeedbackStage:
         # OneBitAdam (collectives/onebit.py): its error is kept in `residuals`.
         self._onebit = OneBitAdamReduction(compression, group) \
             if isinstance(compression, OneBitAdam) else None
+        # overlap on a GPU: the stream the compression runs on, beside backward's.
+        self._side_stream: Any = None
 
     # -- called by the reducer, per bucket in launch order -------------------------------
     def launch(self, bucket: GradBucket) -> _Deferred:
-        """Takes `bucket` (full: every gradient in it is ready); its compressed reduction
-        runs when the returned handle is waited for."""
+        """Takes `bucket` (full: every gradient in it is ready). Without ``overlap`` its
+        compressed reduction runs when the returned handle is waited for; with it,
+        compression starts now and the handle completes it."""
         if bucket.index == 0:
             self._step_bytes = [0, 0]
-        return _Deferred(lambda: self._reduce(bucket))
+        if not self.compression.overlap:
+            return _Deferred(lambda: self._start(bucket, overlapped=False)())
+        stream = self._stream_for(bucket.buffer)
+        with self._on(stream), torch.no_grad():
+            finish = self._start(bucket, overlapped=True)
+
+        def complete() -> None:
+            with self._on(stream):
+                finish()
+            if stream is not None:   # what reads the bucket next runs on backward's stream
+                torch.cuda.current_stream(bucket.buffer.device).wait_stream(stream)
+        return _Deferred(complete)
+
+    def _stream_for(self, buffer: torch.Tensor) -> Any:
+        """On a GPU, the side stream (made once), set to start after the gradients that
+        backward's stream has produced so far; elsewhere None."""
+        if buffer.device.type != "cuda":
+            return None
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(buffer.device)
+        self._side_stream.wait_stream(torch.cuda.current_stream(buffer.device))
+        return self._side_stream
+
+    @staticmethod
+    def _on(stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
     def end_step(self, synced: bool) -> None:
         """Called after the reducer's finalisation: counts a synchronised step."""
@@ -140,46 +189,48 @@ class ErrorFeedbackStage:
     def _sent(self, *tensors: torch.Tensor) -> None:
         self._step_bytes[0] += sum(t.numel() * t.element_size() for t in tensors)
 
-    def _reduce(self, bucket: GradBucket) -> None:
+    def _start(self, bucket: GradBucket, overlapped: bool) -> _Finish:
+        """Starts `bucket`'s reduction; `overlapped`: backward is still running (the
+        flags are this replica's, not yet summed)."""
         flat = bucket.buffer
         self._step_bytes[1] += flat.numel() * flat.element_size()
         if self._onebit is not None:   # its warm-up also updates Adam's moments
-            with torch.no_grad():
-                self._onebit.reduce(bucket, self.step, self.residuals, self._sent)
-            return
+            return self._onebit.start(bucket, self.step, self.residuals, self._sent)
         if self.step < self.compression.warmup_steps:
-            dist.all_reduce(flat, group=self._group)
+            work = dist.all_reduce(flat, group=self._group, async_op=True)
             self._sent(flat)
-            return
-        with torch.no_grad():
-            if isinstance(self.compression, PowerSGD):
-                self._power_sgd(self.compression, bucket)
-            else:
-                assert isinstance(self.compression, Int8)
-                self._int8(self.compression, bucket)
+            return lambda: _wait(work)
+        if isinstance(self.compression, PowerSGD):
+            return self._power_sgd(self.compression, bucket, overlapped)
+        assert isinstance(self.compression, Int8)
+        return self._int8(self.compression, bucket)
 
     # -- PowerSGD -----------------------------------------------------------------------
-    def _power_sgd(self, algo: PowerSGD, bucket: GradBucket) -> None:
+    def _power_sgd(self, algo: PowerSGD, bucket: GradBucket, overlapped: bool) -> _Finish:
         flat, group = bucket.buffer, self._group
         matrix = [algo.compresses(p.shape) for p in bucket.parameters]
         self._compressed_in_step |= any(matrix)
         plain = [bucket.gradient(k) for k, m in enumerate(matrix) if not m]
         numels = [t.numel() for t in plain]
         offsets = [sum(numels[:k]) for k in range(len(numels))]
+        plain_sum: tuple[torch.Tensor, Any] | None = None
         if plain:   # every replica lays the bucket out alike: all skip it or none
             buffer = torch.empty(sum(numels), dtype=flat.dtype, device=flat.device)
             _ops.pack(buffer, plain, offsets, numels)
-            dist.all_reduce(buffer, group=group)
+            plain_sum = (buffer, dist.all_reduce(buffer, group=group, async_op=True))
             self._sent(buffer)
-            _ops.unpack(buffer, plain, offsets)
-        used = (bucket.flags > 0).tolist()   # summed by the reducer before this runs
+        # The matrices some replica contributed: known when the flags are summed. While
+        # backward runs they are not, so every matrix travels (the same sizes on every
+        # replica); one that no replica contributed is dropped at the end, its residual
+        # untouched (its slot held zeros, so M is the residual as it was).
+        used = [True] * len(matrix) if overlapped else bucket.contributed()
 
         # Every large step below works in place on the residual's own buffer (M is built
         # there, and becomes the new residual) and writes P Q^T straight into the bucket:
         # on CPU these passes are bound by memory, and a fresh multi-MiB tensor per step
         # costs page faults on top (measured: 3-5x slower for GPT-2's 50257 x 768 matrix).
         # The last pass (residual and output) is one fused kernel (csrc/powersgd_ops.h).
-        work = []   # (index, view, M, Q^T)
+        work = []   # (slot, index, view, M, Q^T)
         for k, i in enumerate(bucket.indices):
             if not matrix[k] or not used[k]:
                 continue
@@ -196,40 +247,51 @@ class ErrorFeedbackStage:
             q_t = self.q_ts.get(i)
             if q_t is None:
                 q_t = initial_q(algo.seed, i, cols, algo.rank).t().contiguous()
-            work.append((i, view, residual.view(rows, cols), q_t.to(view.device)))
-        if not work:
-            return
-        ps = torch.empty(sum(m.shape[0] for _, _, m, _ in work) * algo.rank,
+            work.append((k, i, view, residual.view(rows, cols), q_t.to(view.device)))
+        ps = torch.empty(sum(m.shape[0] for _, _, _, m, _ in work) * algo.rank,
                          dtype=torch.float32, device=flat.device)
         at = 0
-        for _, view, m, q_t in work:
+        for _, _, view, m, q_t in work:
             m.add_(view)                                # M = gradient + residual, in place
             torch.mm(m, q_t.t(),                        # P = M Q
                      out=ps.narrow(0, at, m.shape[0] * algo.rank).view(-1, algo.rank))
             at += m.shape[0] * algo.rank
-        dist.all_reduce(ps, group=group)
-        self._sent(ps)
-        q_locals = []
-        bases = []
-        at = 0
-        for i, _, m, _ in work:
-            rows = m.shape[0]
-            p = orthonormalize(ps.narrow(0, at, rows * algo.rank).view(rows, algo.rank))
-            at += rows * algo.rank
-            bases.append(p.contiguous())
-            q_locals.append(torch.mm(p.t(), m))   # Q_local^T = P^T M, reading M row by row
-        # Sent as Q^T, the layout kept.
-        q_sum = torch.cat([q.view(-1) for q in q_locals])
-        dist.all_reduce(q_sum, group=group)
-        self._sent(q_sum)
-        at = 0
-        for (i, view, m, _), p, q_local_t in zip(work, bases, q_locals):
-            cols = m.shape[1]
-            q_t = q_sum.narrow(0, at, cols * algo.rank).view(algo.rank, cols)
-            at += cols * algo.rank
-            # residual = M - P Q_local^T (this replica's miss); the bucket gets P Q^T.
-            _ops.powersgd_finish(m, p, q_local_t, q_t, view)
-            self.q_ts[i] = q_t.clone()
+        p_sum = dist.all_reduce(ps, group=group, async_op=True) if work else None
+        if work:
+            self._sent(ps)
+
+        def finish() -> None:
+            if plain_sum is not None:
+                _wait(plain_sum[1])
+                _ops.unpack(plain_sum[0], plain, offsets)
+            if p_sum is None:
+                return
+            _wait(p_sum)
+            kept = bucket.contributed()   # summed by now
+            q_locals = []
+            bases = []
+            at = 0
+            for _, _, _, m, _ in work:
+                rows = m.shape[0]
+                p = orthonormalize(ps.narrow(0, at, rows * algo.rank).view(rows, algo.rank))
+                at += rows * algo.rank
+                bases.append(p.contiguous())
+                q_locals.append(torch.mm(p.t(), m))   # Q_local^T = P^T M, reading M by rows
+            # Sent as Q^T, the layout kept.
+            q_sum = torch.cat([q.view(-1) for q in q_locals])
+            dist.all_reduce(q_sum, group=group)
+            self._sent(q_sum)
+            at = 0
+            for (k, i, view, m, _), p, q_local_t in zip(work, bases, q_locals):
+                cols = m.shape[1]
+                q_t = q_sum.narrow(0, at, cols * algo.rank).view(algo.rank, cols)
+                at += cols * algo.rank
+                if not kept[k]:   # no replica contributed (overlap only): nothing applied
+                    continue
+                # residual = M - P Q_local^T (this replica's miss); the bucket gets P Q^T.
+                _ops.powersgd_finish(m, p, q_local_t, q_t, view)
+                self.q_ts[i] = q_t.clone()
+        return finish
 
     # -- Int8 ---------------------------------------------------------------------------
     def _bucket_residual(self, bucket: GradBucket) -> torch.Tensor:
@@ -250,13 +312,15 @@ class ErrorFeedbackStage:
         self._flat_residuals[bucket.index] = (signature, buffer)
         return buffer
 
-    def _int8(self, algo: Int8, bucket: GradBucket) -> None:
+    def _int8(self, algo: Int8, bucket: GradBucket) -> _Finish:
         flat, group, size = bucket.buffer, self._group, bucket.flags_at
-        used = (bucket.flags > 0).tolist()   # summed by the reducer before this runs
         residual = self._bucket_residual(bucket)
-        # A parameter no replica contributed sends nothing: its residual waits.
+        # A residual travels only with a gradient: a parameter no replica contributed
+        # (flags summed, after backward), or this replica did not (while backward runs:
+        # overlap), sends nothing from here and keeps its residual for a later step.
         kept = [(residual.narrow(0, o, n), residual.narrow(0, o, n).clone())
-                for o, n, u in zip(bucket.offsets, bucket.numels, used) if not u]
+                for o, n, u in zip(bucket.offsets, bucket.numels, bucket.contributed())
+                if not u]
         for view, _ in kept:
             view.zero_()
         data = flat.narrow(0, 0, size)
@@ -269,10 +333,16 @@ class ErrorFeedbackStage:
         world = dist.get_world_size(group)
         all_q = torch.empty(world, size, dtype=torch.int8, device=flat.device)
         all_scales = torch.empty(world, chunks, dtype=torch.float32, device=flat.device)
-        dist.all_gather(list(all_q.unbind(0)), q, group=group)
-        dist.all_gather(list(all_scales.unbind(0)), scales, group=group)
+        gathers = (dist.all_gather(list(all_q.unbind(0)), q, group=group, async_op=True),
+                   dist.all_gather(list(all_scales.unbind(0)), scales, group=group,
+                                   async_op=True))
         self._sent(q, scales)
-        _ops.dequantize_sum(all_q, all_scales, data, algo.chunk_size)
+
+        def finish() -> None:
+            for work in gathers:
+                _wait(work)
+            _ops.dequantize_sum(all_q, all_scales, data, algo.chunk_size)
+        return finish
 
     # -- checkpoints --------------------------------------------------------------------
     @staticmethod
@@ -313,7 +383,7 @@ class ErrorFeedbackStage:
         """This replica's error-feedback state: the compression (its repr), the step
         counter, the residuals and (PowerSGD) the Q matrices, keyed by parameter
         registration index; copies, safe to keep."""
-        state = {"compression": repr(self.compression), "step": self.step,
+        state = {"compression": self.compression.state_tag(), "step": self.step,
                  "residuals": {i: t.detach().clone().cpu() for i, t in self.residuals.items()},
                  "q": {i: t.t().clone(memory_format=torch.contiguous_format).cpu()
                        for i, t in self.q_ts.items()}}
@@ -328,11 +398,11 @@ class ErrorFeedbackStage:
         Raises:
           ValueError: a state saved under another compression.
         """
-        if state.get("compression") != repr(self.compression):
+        if state.get("compression") != self.compression.state_tag():
             raise ValueError(f"This error-feedback state was saved with compression="
                              f"{state.get('compression')}, but this reducer runs "
-                             f"{self.compression!r}; load it into a strategy created with "
-                             "the same compression.")
+                             f"{self.compression.state_tag()}; load it into a strategy "
+                             "created with the same compression.")
         self.step = int(state["step"])
         self.residuals = {int(i): t.clone() for i, t in state["residuals"].items()}
         self.q_ts = {int(i): t.t().clone(memory_format=torch.contiguous_format)

@@ -118,6 +118,18 @@ def _decompress(bits: torch.Tensor, scales: torch.Tensor, exp_avg: torch.Tensor,
               * step_scale)
 
 
+#: (an entry of a state, a copy of it, the parameter's slot in its bucket)
+_Kept = list[tuple[torch.Tensor, torch.Tensor, int]]
+
+
+def _restore(kept: _Kept, used: list[bool] | None = None) -> None:
+    """Puts back the copies `OneBitAdamReduction._kept` made: all of them, or those of the
+    slots `used` says no replica contributed."""
+    for view, old, k in kept:
+        if used is None or not used[k]:
+            view.copy_(old)
+
+
 class _Layout:
     """One bucket's Adam state as flat float32 buffers over its elements (padded to whole
     blocks), each parameter's entry a view into them."""
@@ -174,56 +186,68 @@ class OneBitAdamReduction:
         self._layouts[bucket.index] = layout
         return layout
 
-    def reduce(self, bucket: GradBucket, step: int, residuals: dict[int, torch.Tensor],
-               sent: Callable[..., None]) -> None:
-        """Reduces `bucket` at synchronised step `step` (0 first), leaving Adam's direction
-        in its gradients; `sent` is told every tensor this replica sends."""
+    def start(self, bucket: GradBucket, step: int, residuals: dict[int, torch.Tensor],
+              sent: Callable[..., None]) -> Callable[[], None]:
+        """Starts reducing `bucket` at synchronised step `step` (0 first): launches what
+        travels and returns what completes the reduction, leaving Adam's direction in its
+        gradients (run once the reducer has summed the flags). `sent` is told every tensor
+        this replica sends. Called while backward still runs (``overlap``) or after it."""
         algo, group = self.compression, self._group
         beta1, beta2 = algo.betas
         layout = self._layout(bucket, residuals)
         size = layout.size
         data = bucket.buffer.narrow(0, 0, size)
         t = step + 1
-        flags = bucket.flags
         if t <= algo.warmup_steps:
-            dist.all_reduce(data, group=group)        # the plain sum, as uncompressed
+            plain_sum = dist.all_reduce(data, group=group, async_op=True)   # as uncompressed
             sent(data)
-        used = (flags > 0).tolist()   # summed by the reducer before this runs
-        # A parameter no replica contributed keeps its state for later.
-        kept = [(views, [v.clone() for v in views]) for views in (
-            [layout.exp_avg.narrow(0, o, n), layout.exp_avg_sq.narrow(0, o, n),
-             layout.error.narrow(0, o, n)]
-            for o, n, u in zip(bucket.offsets, bucket.numels, used) if not u)]
+
+            def finish_warmup() -> None:
+                plain_sum.wait()
+                kept = self._kept(bucket, (layout.exp_avg, layout.exp_avg_sq))
+                g = data.to(torch.float32)
+                m = layout.exp_avg.narrow(0, 0, size)
+                m.lerp_(g, 1 - beta1)
+                layout.exp_avg_sq.narrow(0, 0, size).mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                denominator = (layout.exp_avg_sq.narrow(0, 0, size).sqrt()
+                               / math.sqrt(1 - beta2 ** t)).add_(algo.eps)
+                direction = m.div(denominator).div_(1 - beta1 ** t)
+                _restore(kept)
+                data.copy_(direction)
+            return finish_warmup
+        world = dist.get_world_size(group)
         m = layout.exp_avg
-        direction: torch.Tensor | None = None   # written by the kernel after the warm-up
-        if t <= algo.warmup_steps:
-            g = data.to(torch.float32)
-            m.narrow(0, 0, size).lerp_(g, 1 - beta1)
-            layout.exp_avg_sq.narrow(0, 0, size).mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            denominator = (layout.exp_avg_sq.narrow(0, 0, size).sqrt()
-                           / math.sqrt(1 - beta2 ** t)).add_(algo.eps)
-            direction = m.narrow(0, 0, size).div(denominator).div_(1 - beta1 ** t)
-        else:
-            world = dist.get_world_size(group)
-            if layout.inverse_denominator is None:
-                # The variance froze at the last warm-up step, with its bias correction.
-                correction = math.sqrt(1 - beta2 ** algo.warmup_steps)
-                layout.inverse_denominator = \
-                    (layout.exp_avg_sq.sqrt() / correction).add_(algo.eps).reciprocal_()
-                m.index_fill_(0, layout.gaps, 0.0)
-            # Alignment gaps in the bucket must hold 0 (they join the blocks' scales).
-            data.index_fill_(0, layout.gaps, 0.0)
-            # The error becomes x = beta1 m / N + (1 - beta1) b + e, then what x's signs and
-            # scales miss.
-            bits, scales = _compress(layout.error, m, data, beta1 / world, 1 - beta1,
-                                     algo.block_size)
-            all_bits = torch.empty(world, bits.numel(), dtype=torch.uint8, device=bits.device)
-            all_scales = torch.empty(world, scales.numel(), dtype=torch.float32,
-                                     device=scales.device)
-            dist.all_gather(list(all_bits.unbind(0)), bits, group=group)
-            dist.all_gather(list(all_scales.unbind(0)), scales, group=group)
-            sent(bits, scales)
-            _decompress(all_bits, all_scales, m, layout.inverse_denominator,
+        if layout.inverse_denominator is None:
+            # The variance froze at the last warm-up step, with its bias correction.
+            correction = math.sqrt(1 - beta2 ** algo.warmup_steps)
+            layout.inverse_denominator = \
+                (layout.exp_avg_sq.sqrt() / correction).add_(algo.eps).reciprocal_()
+            m.index_fill_(0, layout.gaps, 0.0)
+        inverse_denominator = layout.inverse_denominator
+        # Alignment gaps in the bucket must hold 0 (they join the blocks' scales).
+        data.index_fill_(0, layout.gaps, 0.0)
+        # The error of a parameter that may turn out to have no contribution from any
+        # replica, as it was: restored then. Once the flags are summed they say which;
+        # while backward runs, those this replica did not contribute may be.
+        maybe_unused = self._kept(bucket, (layout.error,))
+        # The error becomes x = beta1 m / N + (1 - beta1) b + e, then what x's signs and
+        # scales miss.
+        bits, scales = _compress(layout.error, m, data, beta1 / world, 1 - beta1,
+                                 algo.block_size)
+        all_bits = torch.empty(world, bits.numel(), dtype=torch.uint8, device=bits.device)
+        all_scales = torch.empty(world, scales.numel(), dtype=torch.float32,
+                                 device=scales.device)
+        gathers = (dist.all_gather(list(all_bits.unbind(0)), bits, group=group,
+                                   async_op=True),
+                   dist.all_gather(list(all_scales.unbind(0)), scales, group=group,
+                                   async_op=True))
+        sent(bits, scales)
+
+        def finish() -> None:
+            for work in gathers:
+                work.wait()
+            kept = self._kept(bucket, (layout.exp_avg, layout.exp_avg_sq))
+            _decompress(all_bits, all_scales, m, inverse_denominator,
                         1 / (1 - beta1 ** t), data, algo.block_size)
             # The gaps and the tail past the last gradient belong to no parameter: no
             # momentum, no error, no direction there.
@@ -231,11 +255,19 @@ class OneBitAdamReduction:
                 state.index_fill_(0, layout.gaps, 0.0)
                 state.narrow(0, size, state.numel() - size).zero_()
             data.index_fill_(0, layout.gaps, 0.0)
-        for views, saved in kept:
-            for view, old in zip(views, saved):
-                view.copy_(old)
-        if direction is not None:
-            data.copy_(direction)
+            _restore(kept)
+            _restore(maybe_unused, bucket.contributed())   # the flags are summed by now
+        return finish
+
+    @staticmethod
+    def _kept(bucket: GradBucket, states: tuple[torch.Tensor, ...]) -> _Kept:
+        """Copies of `states`' entries for every parameter of `bucket` whose flag is 0 (no
+        replica contributed, once summed; this replica did not, before), to be put back
+        with `_restore`: such a parameter's state waits, as its ``.grad`` does."""
+        return [(state.narrow(0, o, n), state.narrow(0, o, n).clone(), k)
+                for k, (o, n, f) in enumerate(zip(bucket.offsets, bucket.numels,
+                                                  bucket.contributed()))
+                if not f for state in states]
 
     def state_dict(self) -> dict[str, Any]:
         """The two moments (the same on every replica), copies keyed by registration

@@ -448,7 +448,8 @@ class GradientReducer:
         return self._stage(GradBucket(
             index=index, buffer=buffer, parameters=tuple(self._params[i] for i in indices),
             indices=tuple(indices), offsets=tuple(offsets), numels=tuple(numels),
-            flags=self._core.flags().narrow(0, first_flag, len(indices))))
+            flags=self._core.flags().narrow(0, first_flag, len(indices)),
+            complete=bool(self._core.bucket_complete(index))))
 
     # -- error-feedback state -----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
