@@ -45,14 +45,20 @@ and step (forward, backward, SGD step; ``zero_grad(set_to_none=False)``):
   ours            ts.MirroredStrategy(): the default, exact reduction
   ours-bf16       ts.NcclAllReduce(compression="bf16")
   ours-powersgd4  ts.NcclAllReduce(compression=ts.PowerSGD(rank=4))
-  ours-int8       ts.NcclAllReduce(compression=ts.Int8())
+  ours-int8       ts.NcclAllReduce(compression=ts.Int8()): compressed during backward
+                  (overlap=True, Int8's default)
   ours-onebit     ts.NcclAllReduce(compression=ts.OneBitAdam(warmup_steps=1)): 1-bit Adam;
                   its step phase uses ts.OneBitAdamW (Adam's moments are updated in the
                   reduction), where every other configuration steps with SGD
   ours-autotuned  (step only) the default with ts.BucketAutotuner, searched during warm-up
+  ours-powersgd4-overlap, ours-onebit-overlap, ours-int8-after
+                  (only when named in --configs) the other setting of ``overlap``: PowerSGD
+                  and 1-bit Adam compressing each bucket while backward goes on, Int8 after
+                  backward (ts.Int8(overlap=False))
 
 ``--configs`` picks which of ours (besides ``ours``) and ``ours-autotuned`` run (default:
-all). DDP's own PowerSGD hook is left out: it times out on gloo. Then (unless
+all but the three other settings of ``overlap``). DDP's own PowerSGD hook is left out: it
+times out on gloo. Then (unless
 ``--sweep-repeats 0``) every candidate bucket cap of the autotuner is timed again in a sweep
 on one model, to show the cap it chose against the best fixed cap.
 
@@ -88,11 +94,14 @@ import torchstrategy as ts
 NUM_REPLICAS = 2
 INSIDE = "BENCH_NETWORK_SHAPED"          # set in the re-executed process
 OURS = {"ours": None, "ours-bf16": "bf16", "ours-powersgd4": "powersgd", "ours-int8": "int8",
-        "ours-onebit": "onebit"}
+        "ours-onebit": "onebit", "ours-powersgd4-overlap": "powersgd-overlap",
+        "ours-int8-after": "int8-after", "ours-onebit-overlap": "onebit-overlap"}
 SYNC_CONFIGS = ("contiguous", "ddp-best", "ddp-fp16", *OURS)
 STEP_CONFIGS = ("local", "serial", "contiguous", "copy", "ddp-best", "ddp-fp16", *OURS,
                 "ours-autotuned")
 CHOSEN = tuple(n for n in STEP_CONFIGS if n.startswith("ours-"))   # --configs may pick
+# Run only when named: each compressor's other setting of `overlap`.
+OTHER_OVERLAP = ("ours-powersgd4-overlap", "ours-onebit-overlap", "ours-int8-after")
 MIB = 2**20
 
 
@@ -258,7 +267,10 @@ def init_process_group():
 
 def our_strategy(kind):
     compression = {None: None, "bf16": "bf16", "powersgd": ts.PowerSGD(rank=4),
-                   "int8": ts.Int8(), "onebit": ts.OneBitAdam(warmup_steps=1)}[kind]
+                   "powersgd-overlap": ts.PowerSGD(rank=4, overlap=True),
+                   "int8": ts.Int8(), "int8-after": ts.Int8(overlap=False),
+                   "onebit": ts.OneBitAdam(warmup_steps=1),
+                   "onebit-overlap": ts.OneBitAdam(warmup_steps=1, overlap=True)}[kind]
     if compression is None:
         return ts.MirroredStrategy()   # adopts the process group made above
     return ts.MirroredStrategy(cross_device_ops=ts.NcclAllReduce(compression=compression))
@@ -371,7 +383,7 @@ def build_step(make_model, make_batch, rank, quick, ours, autotuned):
         with strategy.scope():
             model = make_model()
             optimizer = ts.OneBitAdamW(model.parameters(), lr=1e-3, strategy=strategy) \
-                if kind == "onebit" else torch.optim.SGD(model.parameters(), lr=1e-3)
+                if kind is not None and kind.startswith("onebit") else torch.optim.SGD(model.parameters(), lr=1e-3)
         if name == "ours-autotuned":
             tuner = ts.BucketAutotuner(
                 strategy.extended.gradient_reducer,
@@ -567,14 +579,17 @@ def targets(results, summary):
         for name, against, target in (("ours-powersgd4", "ddp-best", 0.35),
                                       ("ours-powersgd4", "ddp-fp16", 0.6),
                                       ("ours-bf16", "ddp-fp16", 1.0),
-                                      ("ours-onebit", "ddp-best", 0.30)):
+                                      ("ours-onebit", "ddp-best", 0.30),
+                                      ("ours-powersgd4-overlap", "ddp-best", 0.35),
+                                      ("ours-onebit-overlap", "ddp-best", 0.30)):
             if name in t:
                 checks.append((f"{name} / {against}", t[name], t[against], target))
         # Issue 38: what compression adds to a step, in memory copies of the gradient bytes:
         # (compressed step - local step - the wire time of the bytes it sent) / one copy. The
         # wire time is the contiguous all-reduce's, scaled by the bytes sent over the
         # gradient bytes (at 2 replicas each sends about its buffer's bytes either way).
-        for name in ("ours-powersgd4", "ours-int8", "ours-onebit"):
+        for name in ("ours-powersgd4", "ours-int8", "ours-onebit", "ours-powersgd4-overlap",
+                     "ours-int8-after", "ours-onebit-overlap"):
             if name in t:
                 share = res["step_bytes"][name] / res["bytes"]
                 over = [(c - lo - w * share) for c, lo, w in
@@ -607,7 +622,8 @@ def main():
                         help="repetitions of the bucket-cap sweep (0: none)")
     parser.add_argument("--sweep-model",
                         help="the model the sweep runs on (default: the last of --models)")
-    parser.add_argument("--configs", default=",".join(CHOSEN),
+    parser.add_argument("--configs",
+                        default=",".join(n for n in CHOSEN if n not in OTHER_OVERLAP),
                         help="comma-separated: which of " + ", ".join(CHOSEN) + " to run "
                              "(the references and ours always run)")
     parser.add_argument("--json", help="also write the summary to this file")

@@ -204,8 +204,12 @@ def shared_device(rank, init_file, out):
 
 # -- compression: NCCL against gloo ---------------------------------------------------------
 def compression_of(kind):
-    return {"bf16": "bf16", "int8": ts.Int8(chunk_size=64),
-            "powersgd": ts.PowerSGD(rank=2, warmup_steps=1, seed=3)}[kind]
+    """"bf16", "int8", "powersgd"; "-overlap" after either of the last two compresses each
+    bucket during backward (on a GPU, on the stage's side stream)."""
+    overlap = kind.endswith("-overlap")
+    return {"bf16": "bf16", "int8": ts.Int8(chunk_size=64, overlap=overlap),
+            "powersgd": ts.PowerSGD(rank=2, warmup_steps=1, seed=3, overlap=overlap),
+            }[kind.removesuffix("-overlap")]
 
 
 def compressed_training(kind, backend):

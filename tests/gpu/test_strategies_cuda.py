@@ -3,7 +3,8 @@ world 1 exactly as a plain loop (deterministic settings, 1e-6); two processes sh
 device over gloo with CUDA tensors train as one device, the reducer waiting on the busy side
 stream that produced the gradients; bf16 autocast, and fp16 with a GradScaler whose
 overflowing step (on one replica only) is skipped on every replica; compression (bf16,
-Int8, PowerSGD) over NCCL equals the same compression over gloo.
+Int8, PowerSGD; Int8 and PowerSGD also with overlap=True, compressing on a side stream during
+backward) over NCCL equals the same compression over gloo.
 
 Each test runs on "cuda" (skipped without a GPU, saying so) and on "cpu", where the same
 code and comparisons run with CPU replicas over gloo (the GPU's facts aside).
@@ -138,7 +139,7 @@ def _replicas(device):
 @pytest.mark.parametrize("device,kind", (
     [] if CUDA_ONLY else [pytest.param("cpu", "int8", id="cpu-int8")]) + [
     pytest.param("cuda", kind, id=f"cuda-{kind}", marks=needs_cuda)
-    for kind in ("bf16", "int8", "powersgd")])
+    for kind in ("bf16", "int8", "powersgd", "int8-overlap", "powersgd-overlap")])
 def test_compression_over_nccl_equals_compression_over_gloo(device, kind, monkeypatch):
     for name, value in environment(device).items():
         monkeypatch.setenv(name, value)

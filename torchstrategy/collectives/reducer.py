@@ -35,7 +35,8 @@ How it works (the design DDP's reducer made standard):
   computed: DDP's ``GradBucket``): error-feedback compression
   (``compression=ts.PowerSGD(rank=4)`` or ``ts.Int8()``: an `ErrorFeedbackStage`,
   `torchstrategy.collectives.error_feedback`, which reduces it compressed when the core
-  waits for it, after backward: no overlap with backward's computation), or another
+  waits for it, after backward, or with ``overlap=True`` starts compressing and sending
+  it at once, while backward goes on), or another
   algorithm's ``all_reduce_async`` (``ts.ReductionToOneDevice``, ``ts.HierarchicalCopyAllReduce``,
   ``NcclAllReduce(num_packs=k)``).
 - With ``compression="auto"`` the first synchronised steps run uncompressed while an
