@@ -382,8 +382,9 @@ def build_step(make_model, make_batch, rank, quick, ours, autotuned):
         torch.manual_seed(0)
         with strategy.scope():
             model = make_model()
+            onebit = kind is not None and kind.startswith("onebit")
             optimizer = ts.OneBitAdamW(model.parameters(), lr=1e-3, strategy=strategy) \
-                if kind is not None and kind.startswith("onebit") else torch.optim.SGD(model.parameters(), lr=1e-3)
+                if onebit else torch.optim.SGD(model.parameters(), lr=1e-3)
         if name == "ours-autotuned":
             tuner = ts.BucketAutotuner(
                 strategy.extended.gradient_reducer,

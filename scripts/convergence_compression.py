@@ -22,6 +22,13 @@ for each other at every collective).
 
 Runs are deterministic, so results of separate invocations (other settings) can be put
 together: ``--replot a.json b.json --json all.json --plot all.png``.
+
+Other settings (docs/gradient_reduction.md, "Convergence" has the commands and results):
+``--replicas 4`` (the same per-replica batch, on 4 replicas); ``--schedule cosine
+--lr-warmup 100`` (a linear warm-up of the learning rate over the first 100 steps, then
+cosine decay to 0); ``--model digits``: a second model family, a small MLP (64-128-128-10)
+on scikit-learn's bundled handwritten digits (1797 8x8 images; 1497 train, 300 validate,
+split once with a fixed seed), usually with ``--optimizer sgd`` (momentum 0.9).
 """
 from __future__ import annotations
 
@@ -82,6 +89,31 @@ class GPT(torch.nn.Module):
         return self.head(self.ln(self.blocks(x)))
 
 
+class DigitsMLP(torch.nn.Module):
+    """The second model family: an MLP on 8x8 digit images."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128),
+            torch.nn.ReLU(), torch.nn.Linear(128, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """scikit-learn's bundled digits (no download): train and validation images (scaled
+    to [0, 1]) and labels, split once with a fixed seed."""
+    from sklearn.datasets import load_digits   # optional dependency (setup installs it)
+    images, labels = load_digits(return_X_y=True)
+    x = torch.tensor(images, dtype=torch.float32) / 16.0
+    y = torch.tensor(labels, dtype=torch.long)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(7))
+    x, y = x[order], y[order]
+    return x[300:], y[300:], x[:300], y[:300]
+
+
 def windows(data: torch.Tensor, starts: torch.Tensor, context: int
             ) -> tuple[torch.Tensor, torch.Tensor]:
     idx = starts[:, None] + torch.arange(context + 1)
@@ -97,16 +129,28 @@ def train(name: str, args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
     strategy = ts.MirroredStrategy(cross_device_ops=ts.NcclAllReduce(compression=compression))
     replica = strategy.extended.replica_id
-    data = corpus(args.corpus_bytes)
-    split = int(len(data) * 0.9)
-    train_data, val_data = data[:split], data[split:]
+    is_gpt = args.model == "gpt"
+    if is_gpt:
+        data = corpus(args.corpus_bytes)
+        split = int(len(data) * 0.9)
+        train_data, val_data = data[:split], data[split:]
+    else:
+        train_x, train_y, val_x, val_y = digits()
+
+    def make_model() -> torch.nn.Module:
+        return GPT(args.layers, args.width, args.context) if is_gpt else DigitsMLP()
+
+    def loss_of(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = net(x)
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
     torch.manual_seed(args.seed)
     if name == "ddp-powersgd":
         # The reference: torch's own DDP PowerSGD hook, outside the strategy (which only
         # provides the process group), with the same rank and the same rule for which
         # matrices are compressed (min_compression_rate=1); the hook needs at least 2
         # uncompressed steps before it starts.
-        model = GPT(args.layers, args.width, args.context)
+        model = make_model()
         ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=64)
         hook_state = powerSGD.PowerSGDState(
             process_group=None, matrix_approximation_rank=args.rank,
@@ -115,7 +159,7 @@ def train(name: str, args: argparse.Namespace) -> dict:
         ddp.register_comm_hook(hook_state, powerSGD.powerSGD_hook)
     else:
         with strategy.scope():
-            model = GPT(args.layers, args.width, args.context)
+            model = make_model()
     if name == "onebit":   # the moments live in the reduction; AdamW's defaults otherwise
         if args.optimizer != "adamw":
             raise SystemExit("the onebit run is 1-bit Adam: use it with --optimizer adamw")
@@ -125,16 +169,28 @@ def train(name: str, args: argparse.Namespace) -> dict:
     else:   # PowerSGD's paper trains with SGD and momentum
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     # "cosine": the learning rate decays from --lr to 0 over the run (as GPT training
-    # usually does); "constant": it stays at --lr.
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps) \
-        if args.schedule == "cosine" else None
-    val_gen = torch.Generator().manual_seed(1234)
-    val_starts = torch.randint(0, len(val_data) - args.context - 1, (256,), generator=val_gen)
-    vx, vy = windows(val_data, val_starts, args.context)
+    # usually does), after --lr-warmup steps rising linearly from --lr / warm-up steps;
+    # "constant": it stays at --lr.
+    schedule = None
+    if args.schedule == "cosine":
+        warm = args.lr_warmup
+
+        def factor(step: int) -> float:
+            if step < warm:
+                return (step + 1) / warm
+            return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, args.steps - warm)))
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    if is_gpt:
+        val_gen = torch.Generator().manual_seed(1234)
+        val_starts = torch.randint(0, len(val_data) - args.context - 1, (256,),
+                                   generator=val_gen)
+        vx, vy = windows(val_data, val_starts, args.context)
+    else:
+        vx, vy = val_x, val_y
 
     def validate() -> float:
         with torch.no_grad():
-            return F.cross_entropy(model(vx).reshape(-1, 256), vy.reshape(-1)).item()
+            return loss_of(model, vx, vy).item()
 
     curve = []
     total_sent = 0   # over the run (a warm-up sends more than the last step)
@@ -145,15 +201,18 @@ def train(name: str, args: argparse.Namespace) -> dict:
         if step == args.steps:
             break
         gen = torch.Generator().manual_seed(args.seed * 100_003 + step * 2 + replica)
-        starts = torch.randint(0, len(train_data) - args.context - 1, (args.batch,),
-                               generator=gen)
-        x, y = windows(train_data, starts, args.context)
+        if is_gpt:
+            starts = torch.randint(0, len(train_data) - args.context - 1, (args.batch,),
+                                   generator=gen)
+            x, y = windows(train_data, starts, args.context)
+        else:
+            rows = torch.randint(0, len(train_x), (args.batch,), generator=gen)
+            x, y = train_x[rows], train_y[rows]
         optimizer.zero_grad()
         if name == "ddp-powersgd":   # DDP averages the gradients itself
-            F.cross_entropy(ddp(x).reshape(-1, 256), y.reshape(-1)).backward()
+            loss_of(ddp, x, y).backward()
         else:
-            loss = F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
-            ts.scale_mean_loss(loss).backward()
+            ts.scale_mean_loss(loss_of(model, x, y)).backward()
         optimizer.step()
         total_sent += strategy.extended.stats().bytes_reduced
         if schedule is not None:
@@ -177,8 +236,14 @@ def train(name: str, args: argparse.Namespace) -> dict:
 def setting(args: argparse.Namespace | dict) -> str:
     """What the runs compared with each other share: optimizer, learning rate, schedule."""
     a = vars(args) if isinstance(args, argparse.Namespace) else args
-    return f"{'AdamW' if a['optimizer'] == 'adamw' else 'SGD+momentum'} lr {a['lr']:g}" + \
-        (", cosine decay" if a.get("schedule", "constant") == "cosine" else "")
+    model = "digits MLP, " if a.get("model", "gpt") == "digits" else ""
+    schedule = ""
+    if a.get("schedule", "constant") == "cosine":
+        schedule = ", cosine decay" + (f" after {a['lr_warmup']} warm-up steps"
+                                       if a.get("lr_warmup") else "")
+    replicas = f", {a['replicas']} replicas" if a.get("replicas", 2) != 2 else ""
+    return f"{model}{'AdamW' if a['optimizer'] == 'adamw' else 'SGD+momentum'} " \
+        f"lr {a['lr']:g}{schedule}{replicas}"
 
 
 def label(result: dict) -> str:
@@ -233,6 +298,11 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--schedule", choices=["constant", "cosine"], default="constant",
                         help="the learning rate: constant, or cosine decay to 0")
+    parser.add_argument("--lr-warmup", type=int, default=0,
+                        help="with --schedule cosine: steps of linear warm-up first")
+    parser.add_argument("--model", choices=["gpt", "digits"], default="gpt",
+                        help="the byte-level GPT, or an MLP on scikit-learn's digits")
+    parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--corpus-bytes", type=int, default=4_000_000)
     parser.add_argument("--rank", type=int, default=4, help="PowerSGD's rank")
@@ -252,6 +322,15 @@ def main() -> None:
                         help="no training: merge the results of JSON files written by "
                              "--json (into --json) and redraw --plot from them")
     args = parser.parse_args()
+    if args.lr_warmup and args.schedule != "cosine":
+        parser.error("--lr-warmup is the warm-up of --schedule cosine; add it")
+    if args.lr_warmup >= args.steps:
+        parser.error(f"--lr-warmup ({args.lr_warmup}) must be shorter than --steps")
+    if args.replicas < 1:
+        parser.error(f"--replicas must be at least 1, got {args.replicas}")
+    if args.model == "digits" and "onebit" in args.runs.split(",") and \
+            args.optimizer != "adamw":
+        parser.error("the onebit run is 1-bit Adam: it needs --optimizer adamw")
     if args.replot:
         results = merge(args.replot)
         report(results)
@@ -264,14 +343,17 @@ def main() -> None:
     results = []
     for name in args.runs.split(","):
         wall = time.perf_counter()
-        result = ts.launch(train, name, args, num_replicas=2, timeout_seconds=600)
+        result = ts.launch(train, name, args, num_replicas=args.replicas,
+                           timeout_seconds=1800)
         result["wall_seconds"] = time.perf_counter() - wall
         results.append(result)
         print(f"{name:15s} final val loss {result['curve'][-1][1]:.4f}  "
               f"bytes/step/replica {result['bytes']:>9d}  ratio {result['ratio']:5.1f}  "
               f"wall {result['wall_seconds']:.0f}s", flush=True)
-    print(f"model: {results[0]['params']} parameters, {args.layers} layers, width "
-          f"{args.width}, context {args.context}, {args.batch} sequences/replica x 2 "
+    shape = f"{args.layers} layers, width {args.width}, context {args.context}" \
+        if args.model == "gpt" else "digits MLP 64-128-128-10"
+    print(f"model: {results[0]['params']} parameters, {shape}, {args.batch} "
+          f"{'sequences' if args.model == 'gpt' else 'images'}/replica x {args.replicas} "
           f"replicas, {args.steps} steps")
     report(results)
     if args.json:
@@ -304,12 +386,18 @@ def plot(results: list, path: str) -> None:
                                                 f"{plain / r['bytes']:.1f}x fewer bytes"
                                                 f"{over_run})")
         ax.set_xlabel("step")
-        ax.set_ylabel("validation loss (nats/byte)")
+        ax.set_ylabel("validation loss (nats/byte)" if "digits" not in where
+                      else "validation loss (nats/image)")
         ax.set_title(f"{where}, seed {seed}", fontsize=10)
-        ax.set_ylim(top=min(max(r["curve"][1][1] for r in runs) + 0.2, math.log(256)))
-        ax.legend(fontsize=8)
-    fig.suptitle(f"Byte-level GPT on the stdlib sources, 2 replicas "
-                 f"({results[0]['params'] / 1e6:.2f}M parameters)")
+        if "digits" in where:   # from 2.3 down to about 0.1: a log scale shows the end
+            ax.set_yscale("log")
+        else:
+            ax.set_ylim(top=min(max(r["curve"][1][1] for r in runs) + 0.2, math.log(256)))
+        ax.legend(fontsize=8, loc="upper right")
+    family = "MLP on scikit-learn's digits" if "digits" in panels[0][0] else \
+        "Byte-level GPT on the stdlib sources"
+    replicas = "" if "replicas" in panels[0][0] else ", 2 replicas"
+    fig.suptitle(f"{family}{replicas} ({results[0]['params'] / 1e6:.2f}M parameters)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

@@ -542,6 +542,34 @@ def test_convergence_script_quick_run(tmp_path):
     assert json.loads(merged.read_text())["results"] == runs + runs
 
 
+def test_convergence_script_other_settings(tmp_path):
+    # The digits MLP (a second model family), a learning-rate warm-up before the cosine
+    # decay, and another number of replicas: each named in the run's setting.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = os.path.join(root, "scripts", "convergence_compression.py")
+    out = tmp_path / "digits.json"
+    result = subprocess.run(
+        [sys.executable, script, "--model", "digits", "--optimizer", "sgd", "--lr", "0.05",
+         "--steps", "6", "--eval-every", "3", "--schedule", "cosine", "--lr-warmup", "2",
+         "--replicas", "3", "--runs", "none,int8", "--json", str(out)],
+        cwd=root, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-2000:]
+    runs = json.loads(out.read_text())["results"]
+    assert [r["name"] for r in runs] == ["none", "int8"]
+    assert runs[0]["setting"] == ("digits MLP, SGD+momentum lr 0.05, cosine decay after 2 "
+                                  "warm-up steps, 3 replicas")
+    assert runs[0]["params"] == 64 * 128 + 128 + 128 * 128 + 128 + 128 * 10 + 10
+    assert [step for step, _ in runs[0]["curve"]] == [0, 3, 6]
+    # The same starting model; the loss falls from about log(10) for 10 classes.
+    assert runs[0]["curve"][0] == runs[1]["curve"][0]
+    assert runs[0]["curve"][-1][1] < runs[0]["curve"][0][1] < 2.5
+    assert 3.5 < runs[1]["ratio"] < 4.1
+    refused = subprocess.run([sys.executable, script, "--lr-warmup", "10"], cwd=root,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--lr-warmup is the warm-up of --schedule cosine" \
+        in refused.stderr
+
+
 def test_a_state_saved_under_another_compression_is_refused():
     int8 = ErrorFeedbackStage(ts.Int8())
     powersgd = ErrorFeedbackStage(ts.PowerSGD(rank=2))

@@ -203,7 +203,8 @@ def test_overlap_is_a_setting_shown_and_checked_but_not_part_of_the_state():
     assert ts.Int8().overlap and not ts.PowerSGD().overlap and not ts.OneBitAdam().overlap
     assert repr(ts.Int8()) == "Int8(chunk_size=1024, warmup_steps=0)"
     assert repr(ts.Int8(overlap=False)) == "Int8(chunk_size=1024, warmup_steps=0, overlap=False)"
-    assert repr(ts.PowerSGD(overlap=True)) == "PowerSGD(rank=4, warmup_steps=0, seed=0, overlap=True)"
+    assert repr(ts.PowerSGD(overlap=True)) == \
+        "PowerSGD(rank=4, warmup_steps=0, seed=0, overlap=True)"
     assert ts.PowerSGD(overlap=True) != ts.PowerSGD()
     assert ts.PowerSGD(overlap=True).state_tag() == ts.PowerSGD().state_tag()
     assert ts.Int8(overlap=False).state_tag() == "Int8(chunk_size=1024, warmup_steps=0)"

@@ -1,4 +1,5 @@
-"""Error-feedback compression of gradient buckets: `PowerSGD` and `Int8` at work.
+"""Error-feedback compression of gradient buckets: `PowerSGD`, `Int8` and `OneBitAdam` at
+work.
 
 `ErrorFeedbackStage` is a stage of the gradient reducer's pipeline: the reducer hands it
 each full bucket (in bucket order) as a `GradBucket` (its flat buffer, parameters, slot
@@ -7,11 +8,11 @@ handle does the compressed reduction when the core waits for it, after backward 
 finished. With ``overlap=True`` (an argument of every compressor) the stage compresses the
 bucket and launches its first collectives at once, while backward goes on (on a GPU, on a
 side stream), and the handle completes the reduction. The core keeps doing everything
-else as without compression: accumulation under ``no_sync``, averaging (`ts.scale_mean_loss`: the
-bucket already holds gradient / N, and the approximation of the sum of those is the
-approximation of the mean), the "contributed" flags (one per parameter, outside the
-buckets, summed by the core before any handle of this stage is waited for), and the
-settling of ``.grad``.
+else as without compression: accumulation under ``no_sync``, averaging
+(`ts.scale_mean_loss`: the bucket already holds gradient / N, and the approximation of the
+sum of those is the approximation of the mean), the "contributed" flags (one per
+parameter, outside the buckets, summed by the core before any handle of this stage is
+waited for), and the settling of ``.grad``.
 
 Per bucket, with world size N and ``flags`` the bucket's per-parameter contributed counts:
 
@@ -267,7 +268,7 @@ class ErrorFeedbackStage:
             if p_sum is None:
                 return
             _wait(p_sum)
-            kept = bucket.contributed()   # summed by now
+            used_somewhere = bucket.contributed()   # the flags are summed by now
             q_locals = []
             bases = []
             at = 0
@@ -286,7 +287,7 @@ class ErrorFeedbackStage:
                 cols = m.shape[1]
                 q_t = q_sum.narrow(0, at, cols * algo.rank).view(algo.rank, cols)
                 at += cols * algo.rank
-                if not kept[k]:   # no replica contributed (overlap only): nothing applied
+                if not used_somewhere[k]:   # (overlap only) nothing to apply, nothing kept
                     continue
                 # residual = M - P Q_local^T (this replica's miss); the bucket gets P Q^T.
                 _ops.powersgd_finish(m, p, q_local_t, q_t, view)
@@ -380,7 +381,7 @@ class ErrorFeedbackStage:
         return spread
 
     def state_dict(self) -> dict[str, Any]:
-        """This replica's error-feedback state: the compression (its repr), the step
+        """This replica's error-feedback state: the compression (its `state_tag`), the step
         counter, the residuals and (PowerSGD) the Q matrices, keyed by parameter
         registration index; copies, safe to keep."""
         state = {"compression": self.compression.state_tag(), "step": self.step,
