@@ -46,7 +46,8 @@ def test_quick_mode_reports_every_configuration_on_a_shaped_link(tmp_path):
     gpt = summary["models"]["gpt2"]
     assert set(gpt["sync"]) == {"contiguous", "ddp-best", "ddp-fp16", "ours", "ours-bf16",
                                 "ours-powersgd4", "ours-int8", "ours-onebit"}
-    assert set(gpt["step"]) == set(gpt["sync"]) | {"local", "serial", "copy", "ours-autotuned"}
+    assert set(gpt["step"]) == set(gpt["sync"]) | {"local", "serial", "copy", "ours-autotuned",
+                                                   "local-adamw"}
     for phase in ("sync", "step"):
         for name, row in gpt[phase].items():
             low, median, high = row["ms"]
