@@ -77,11 +77,6 @@ class _Deferred:
 _Finish = Callable[[], None]
 
 
-def _wait(work: Any) -> None:
-    """Waits for a collective launched with ``async_op=True``; its failure raises here."""
-    work.wait()
-
-
 def orthonormalize(p: torch.Tensor) -> torch.Tensor:
     """An orthonormal basis of `p`'s columns (``n x r``, r < n), as PowerSGD needs; the same
     bits on every replica given the same `p` (the all-reduced one)."""
@@ -200,7 +195,7 @@ class ErrorFeedbackStage:
         if self.step < self.compression.warmup_steps:
             work = dist.all_reduce(flat, group=self._group, async_op=True)
             self._sent(flat)
-            return lambda: _wait(work)
+            return work.wait
         if isinstance(self.compression, PowerSGD):
             return self._power_sgd(self.compression, bucket, overlapped)
         assert isinstance(self.compression, Int8)
@@ -263,12 +258,13 @@ class ErrorFeedbackStage:
 
         def finish() -> None:
             if plain_sum is not None:
-                _wait(plain_sum[1])
+                plain_sum[1].wait()
                 _ops.unpack(plain_sum[0], plain, offsets)
             if p_sum is None:
                 return
-            _wait(p_sum)
-            used_somewhere = bucket.contributed()   # the flags are summed by now
+            p_sum.wait()
+            # The flags are summed by now; without overlap `used` already read them.
+            used_somewhere = bucket.contributed() if overlapped else used
             q_locals = []
             bases = []
             at = 0
@@ -341,7 +337,7 @@ class ErrorFeedbackStage:
 
         def finish() -> None:
             for work in gathers:
-                _wait(work)
+                work.wait()
             _ops.dequantize_sum(all_q, all_scales, data, algo.chunk_size)
         return finish
 
