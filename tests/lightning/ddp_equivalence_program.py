@@ -5,7 +5,8 @@
 For each N, one world of N replicas fits the same model on the same data four times, each
 from the same seed: "mirrored" then "ddp" (Lightning's own strategy), in fp32 and then in
 bf16-mixed; its replica 0 writes DIR/N/result.pt: per (precision, strategy) the weights
-before and after the fit, the strategy's class, the rank and the world size.
+before and after the fit, the strategy's class, the rank, the world size and the intra-op
+threads it trained with. No OMP_NUM_THREADS is set: each strategy chooses them.
 
 The replicas are forked from this process after it imported Lightning and torchstrategy
 (tests/helpers/forked_worlds.py), with torchrun's variables: both strategies find that
@@ -75,7 +76,7 @@ def _fit(strategy: str, replicas: int, precision: str, out: str) -> dict:
     trainer.fit(model, _data())
     return {"initial": initial, "state_dict": _weights(model),
             "strategy": type(trainer.strategy).__name__, "rank": trainer.global_rank,
-            "world_size": trainer.world_size}
+            "world_size": trainer.world_size, "threads": torch.get_num_threads()}
 
 
 def run_world(replicas: int, out: str) -> None:

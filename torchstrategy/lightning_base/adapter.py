@@ -56,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import os
 import sys
 import threading
 import types
@@ -66,6 +67,7 @@ import torch.distributed as dist
 
 from torchstrategy import _compat, context, losses, runtime
 from torchstrategy.collectives.communicator import Communicator
+from torchstrategy.launch import world as world_lib
 from torchstrategy.lightning_base import registration
 from torchstrategy.reduce_op import ReduceOp
 from torchstrategy.replica_context import ReplicaContext
@@ -584,6 +586,15 @@ class LightningStrategy(_LightningParallelStrategy):
                 "MASTER_ADDR": _compat.launcher_variable("MASTER_ADDR") or "127.0.0.1"})
             self._ts = self._build_strategy()
             self._set_rank_zero()
+        # Lightning's "ddp" divides the machine's cores between its replicas when
+        # OMP_NUM_THREADS is unset (its launcher does, in every replica, whoever started
+        # the processes), and records the choice there for the processes they start. Doing
+        # the same gives the same speed and the same numbers: a matrix product split over
+        # another number of threads can round differently, which AdamW makes visible.
+        if "OMP_NUM_THREADS" not in os.environ:
+            threads = world_lib.threads_per_replica(self._local_replicas())
+            torch.set_num_threads(threads)
+            os.environ["OMP_NUM_THREADS"] = str(threads)
         super().setup_environment()
 
     def setup(self, trainer: Any) -> None:
