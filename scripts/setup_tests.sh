@@ -2,9 +2,9 @@
 # What the test suite needs beyond the package environment (scripts/setup_env.sh), idempotent:
 # - into .venv: pytest and its plugins, the optional dependencies the library supports and
 #   the suite exercises (Lightning, torchmetrics, safetensors, cloudpickle), mypy, matplotlib;
-# - on the machine, as root with apt-get: SLURM (slurmctld, slurmd, slurm-client, munge), for
-#   the tests that start a private one-node cluster. Without root or apt-get those tests
-#   skip, saying so; a failing apt-get never fails the set-up.
+# - on the machine, as root with apt-get: SLURM (scripts/setup_slurm.sh: slurmctld, slurmd,
+#   slurm-client, munge), for the tests that start a private cluster. Without root or
+#   apt-get those tests skip, saying so; a failing apt-get never fails the set-up.
 # scripts/test.sh runs it (through scripts/setup.sh); scripts/demo.sh does not.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,13 +35,8 @@ fi
 # starts), for the reason scripts/setup_env.sh writes the package's.
 "$PY" -m compileall -q -j 0 tests >/dev/null
 
-# SLURM daemons and client, for tests that start a private one-node cluster.
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  if ! command -v slurmctld >/dev/null 2>&1; then
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-        --no-install-recommends slurmctld slurmd slurm-client munge; } \
-      || echo "setup_tests.sh: apt-get could not install SLURM; the SLURM tests will skip"
-  fi
-else
-  echo "setup_tests.sh: not root or no apt-get; SLURM not installed, the SLURM tests will skip"
+# SLURM's daemons and client (scripts/setup_slurm.sh), unless the caller runs that itself:
+# scripts/setup.sh does, beside the environments' set-up (SKIP_SLURM=1 here).
+if [ "${SKIP_SLURM:-0}" != 1 ]; then
+  bash scripts/setup_slurm.sh
 fi

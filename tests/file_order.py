@@ -1,11 +1,11 @@
 """The order in which the suite's test files start: the longest first.
 
-scripts/test.sh runs the suite on 2 pytest-xdist workers with ``--dist loadfile``: each file
+scripts/test.sh runs the suite on 3 pytest-xdist workers with ``--dist loadfile``: each file
 goes whole to one worker, handed out in collection order as the workers free up. xdist's
 default order (most tests first) starts the files with one long multi-process test last, and
 one of them can then run alone on one worker while the other has finished: the run is as long
 as that tail. Starting the longest files first (the classic longest-processing-time rule)
-keeps both workers busy until the end. test.sh passes ``--no-loadscope-reorder`` so that
+keeps every worker busy until the end. test.sh passes ``--no-loadscope-reorder`` so that
 xdist keeps this order.
 
 The durations come from the last run on this machine (``build/test-file-durations.json``,
