@@ -29,7 +29,10 @@ second each way per replica, `c` bytes a second of memory copy on one core):
   saved, not from a modelled all-reduce, keeps a small model's latency-bound step from
   looking shorter than it can be.)
 - `Int8` and `PowerSGD` reduce after backward (error_feedback.py): ``local + compress +
-  transfer``. Int8's quantisation and summation are timed by the probe itself (its two
+  transfer``; with ``overlap=True`` (Int8's default) they send during backward, and the
+  part of the uncompressed transfer that backward hid (the modelled all-reduce minus the
+  wait it explains) is taken off theirs: ``local + compress + max(transfer - hidden, 0)``.
+  Their kernels stay in the sum: on a CPU they run on the core backward uses. Int8's quantisation and summation are timed by the probe itself (its two
   kernels on up to 4 MiB of float32, with N replicas' levels), then scaled to the
   gradients; it gathers a byte an element plus a float a chunk (three collectives a
   bucket: the flags, the levels, the scales). PowerSGD (a candidate only when the user
@@ -184,9 +187,12 @@ def predict_step_seconds(candidate: Candidate, figures: MeasuredFigures) -> floa
     # arriving late, a busy core) is waited for by any reduction after backward too: it
     # stays in those modes' predictions instead of counting as compute they would save.
     # (The buckets' all-reduces and the flags' one bound the uncompressed transfer.)
-    unexplained = max(figures.exposed_seconds -
-                      _ring_seconds(figures.gradient_bytes, figures, buckets + 1), 0.0)
+    uncompressed_transfer = _ring_seconds(figures.gradient_bytes, figures, buckets + 1)
+    unexplained = max(figures.exposed_seconds - uncompressed_transfer, 0.0)
     local = max(figures.step_seconds - figures.exposed_seconds, 0.0) + unexplained
+    # What backward hid of the uncompressed transfer: a compressor that sends during
+    # backward (overlap=True) can hide as much of its own.
+    hidden = max(uncompressed_transfer - (figures.exposed_seconds - unexplained), 0.0)
     copy_rate = figures.copy_bytes_per_second
     if isinstance(candidate, str):
         wire_bytes = cast_bytes = 0
@@ -206,8 +212,8 @@ def predict_step_seconds(candidate: Candidate, figures: MeasuredFigures) -> floa
         sent = numel_total + 4 * math.ceil(numel_total / candidate.chunk_size)
         compress = 4 * numel_total / figures.int8_bytes_per_second
         # The flags' all-reduce and the levels' and scales' gathers, per bucket.
-        return local + compress + _gather_seconds(sent, figures, 2 * buckets) + \
-            _ring_seconds(0, figures, buckets)
+        transfer = _gather_seconds(sent, figures, 2 * buckets) + _ring_seconds(0, figures, buckets)
+        return local + compress + _exposed(transfer, hidden, candidate.overlap)
     if isinstance(candidate, PowerSGD):
         sent = 0
         matrix_bytes = rest_bytes = 0
@@ -224,9 +230,18 @@ def predict_step_seconds(candidate: Candidate, figures: MeasuredFigures) -> floa
                 rest_bytes += numel * size
         compress = (POWERSGD_COPIES * matrix_bytes + rest_bytes +
                     POWERSGD_MATRIX_COPY_BYTES * matrices) / copy_rate
-        return local + compress + _ring_seconds(sent, figures, 3 * buckets)
+        transfer = _ring_seconds(sent, figures, 3 * buckets)
+        return local + compress + _exposed(transfer, hidden, candidate.overlap)
     raise ValueError(f"compression='auto' cannot predict {candidate!r}: the candidates are "
                      "None, 'bf16', 'fp16', ts.Int8(...) and ts.PowerSGD(...).")
+
+
+def _exposed(transfer: float, hidden: float, overlap: bool) -> float:
+    """The part of a compressor's `transfer` the step waits for: all of it after backward;
+    launched during backward, what exceeds the `hidden` time backward already hid of the
+    uncompressed transfer. The compression's kernels are not hidden: on a CPU they take
+    the core backward runs on."""
+    return max(transfer - hidden, 0.0) if overlap else transfer
 
 
 def _dtype_of_size(size: int) -> torch.dtype:
