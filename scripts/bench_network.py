@@ -21,6 +21,12 @@ Two models, built from plain layers with the parameter tensors (shapes, order) o
   inputs ``--resnet-batch`` random images of ``--resnet-size`` pixels square (2 of 32: compute
   scales with the pixels, the parameters do not).
 
+And, for the sweep of shapes of issue 38 item 4, ``matrices:SHAPE`` with SHAPE as in
+scripts/bench_compression_kernels.py (``16x1024``: 16 matrices of 1024 x 1024;
+``gpt:8x512``: the QKV, projection and MLP matrices of 8 transformer blocks of width 512):
+those weight matrices alone, no biases, their forward a chain of products on 4 rows (so the
+link, not the compute, is the limit), e.g. ``--models matrices:1x4096,matrices:gpt:8x512``.
+
 The inputs are small on purpose: between machines with accelerators, compute is fast and
 the network is what limits; 2 shared CPU cores computing a large batch would measure the
 CPU instead.
@@ -88,6 +94,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from given_gradients import GivenGradients  # scripts/given_gradients.py
+from bench_compression_kernels import parse_shape  # the sweep's shapes
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -223,6 +230,47 @@ class ResNet(nn.Module):
         return self.fc(self.layers(x).mean(dim=(2, 3)))
 
 
+class Matrices(nn.Module):
+    """Weight matrices of the given (rows, cols) shapes, no biases. The forward carries a few
+    rows through every matrix in turn (tanh between them): where a matrix takes more
+    columns than the activations have, they are repeated; fewer, they are averaged in
+    groups. Every matrix gets a gradient; the compute is small against the link."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.weights = nn.ParameterList(nn.Parameter(torch.randn(rows, cols) / cols**0.5)
+                                        for rows, cols in shapes)
+
+    def forward(self, x):
+        for weight in self.weights:
+            width = weight.shape[1]
+            if x.shape[-1] < width:
+                x = x.repeat(1, width // x.shape[-1])
+            elif x.shape[-1] > width:
+                x = x.view(x.shape[0], -1, width).mean(dim=1)
+            x = torch.tanh(F.linear(x, weight))
+        return x
+
+
+def matrices_spec(name, rows_per_batch=4):
+    """(make model, make batch, description) of a ``matrices:SHAPE`` model."""
+    shapes = parse_shape(name.removeprefix("matrices:"))
+    widths_in = [shapes[0][1]] + [rows for rows, _ in shapes[:-1]]   # each one's input
+    if any(max(cols, width) % min(cols, width)
+           for (_, cols), width in zip(shapes, widths_in)):
+        raise SystemExit(f"{name}: each matrix's columns must divide or be divided by the "
+                         "rows before them")
+    params = sum(r * c for r, c in shapes)
+
+    def batch(g):
+        return (torch.randn(rows_per_batch, shapes[0][1], generator=g),
+                torch.randint(0, shapes[-1][0], (rows_per_batch,), generator=g))
+
+    return (lambda: Matrices(shapes), batch,
+            f"{len(shapes)} matrices ({name.removeprefix('matrices:')}), {params / 1e6:.1f}M "
+            f"parameters, batch {rows_per_batch} rows")
+
+
 def model_specs(args):
     """{name: (make model, make a batch (inputs, targets) from a generator, description)}."""
     if args.quick:   # small shapes of the same structure: seconds, for the test
@@ -249,7 +297,7 @@ def model_specs(args):
                       f"{gpt_bt[0]}x{gpt_bt[1]} tokens"),
              "resnet50": (lambda: ResNet(**resnet), resnet_batch,
                           f"ResNet-50-shaped, batch {res_bs[0]} of {res_bs[1]}x{res_bs[1]}")}
-    return {m: specs[m] for m in args.models}
+    return {m: specs[m] if m in specs else matrices_spec(m) for m in args.models}
 
 
 def loss_of(model, inputs, targets):
@@ -625,7 +673,8 @@ def main():
     parser.add_argument("--rate", type=float, default=2.0,
                         help="link rate in Gbit/s (1, 2, 10; shared by both directions)")
     parser.add_argument("--models", default="gpt2,resnet50",
-                        help="comma-separated: gpt2, resnet50")
+                        help="comma-separated: gpt2, resnet50, matrices:SHAPE (e.g. "
+                             "matrices:64x512, matrices:gpt:8x512)")
     parser.add_argument("--repeats", type=int, default=8,
                         help="timed repetitions of every configuration per phase")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration")
@@ -648,9 +697,14 @@ def main():
                         help="smoke test: small shapes, 2 repetitions")
     args = parser.parse_args()
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
-    bad = [m for m in args.models if m not in ("gpt2", "resnet50")]
+    bad = [m for m in args.models if m not in ("gpt2", "resnet50")
+           and not m.startswith("matrices:")]
     if bad or not args.models:
-        parser.error(f"--models: unknown {bad or 'empty list'}; choose from gpt2, resnet50")
+        parser.error(f"--models: unknown {bad or 'empty list'}; choose from gpt2, resnet50, "
+                     f"matrices:SHAPE")
+    for name in args.models:
+        if name.startswith("matrices:"):
+            matrices_spec(name)   # a bad shape is refused here, before any process starts
     if not args.rate > 0:
         parser.error(f"--rate must be a positive number of Gbit/s, got {args.rate}")
     if args.repeats < 1 or args.warmup < 0 or args.sweep_repeats < 0:

@@ -37,7 +37,8 @@ def test_quick_mode_reports_every_configuration_on_a_shaped_link(tmp_path):
     if reason:
         pytest.skip(reason)
     out = tmp_path / "summary.json"
-    done = _run("--quick", "--rate", "2", "--models", "gpt2", "--json", str(out))
+    done = _run("--quick", "--rate", "2", "--models", "gpt2,matrices:gpt:1x32",
+                "--sweep-model", "gpt2", "--json", str(out))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads(out.read_text())
     # It ran in its own namespace behind a 2 Gbit/s token bucket.
@@ -74,6 +75,15 @@ def test_quick_mode_reports_every_configuration_on_a_shaped_link(tmp_path):
                             "ours-onebit / ddp-best", "ours-powersgd4 overhead / one copy",
                             "ours-int8 overhead / one copy", "ours-onebit overhead / one copy"}
     assert "targets (step phase" in done.stdout
+    # A model of the kernel sweep's matrices (issue 38 item 4): the QKV, projection and MLP
+    # matrices of one block of width 32, every configuration in both phases.
+    matrices = summary["models"]["matrices:gpt:1x32"]
+    assert matrices["tensors"] == 4 and matrices["mib"] == 12 * 32 * 32 * 4 / 2**20
+    assert set(matrices["sync"]) == set(gpt["sync"])
+    assert set(matrices["step"]) == set(gpt["step"])
+    sent = {n: r["mib_sent"] for n, r in matrices["step"].items() if r["mib_sent"] is not None}
+    assert sent["ours-powersgd4"] < sent["ours-int8"] < 0.3 * sent["ours"]
+    assert "ours-powersgd4 / ddp-best" in summary["targets"]["matrices:gpt:1x32"]
 
 
 def test_refuses_clearly_without_unshare(tmp_path):
@@ -84,6 +94,12 @@ def test_refuses_clearly_without_unshare(tmp_path):
     assert done.returncode == 3, done.stderr
     assert "'unshare' is not installed" in done.stderr
     assert "apt-get install util-linux" in done.stderr
+
+
+def test_a_bad_matrices_shape_is_refused_before_anything_starts():
+    done = _run("--models", "gpt2,matrices:3y8", timeout=120)
+    assert done.returncode != 0
+    assert "bad shape '3y8': expected BLOCKSxWIDTH or gpt:BLOCKSxWIDTH" in done.stderr
 
 
 def test_bad_rate_is_refused():
