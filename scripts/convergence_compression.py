@@ -227,10 +227,19 @@ def train(name: str, args: argparse.Namespace) -> dict:
     return {"name": name, "setting": setting(args), "rank": args.rank,
             "warmup": {"powersgd-warmup": args.warmup, "onebit": args.onebit_warmup,
                        "ddp-powersgd": max(2, args.warmup)}.get(name, 0),
-            "mean_bytes": total_sent / args.steps if name != "ddp-powersgd" else sent,
+            "mean_bytes": total_sent / args.steps if name != "ddp-powersgd" else
+            hook_mean_bytes(sent, 4 * sum(p.numel() for p in model.parameters()),
+                            max(2, args.warmup), args.steps),
             "seed": args.seed, "curve": curve, "cpu_seconds": time.process_time() - start,
             "bytes": sent, "ratio": ratio,
             "params": sum(p.numel() for p in model.parameters())}
+
+
+def hook_mean_bytes(compressed: int, uncompressed: int, warmup: int, steps: int) -> float:
+    """Bytes a step over a run of DDP's PowerSGD hook: its first `warmup` steps all-reduce
+    every gradient whole (start_powerSGD_iter), the rest `compressed` bytes."""
+    warm = min(warmup, steps)
+    return (warm * uncompressed + (steps - warm) * compressed) / steps
 
 
 def setting(args: argparse.Namespace | dict) -> str:
@@ -380,6 +389,11 @@ def plot(results: list, path: str) -> None:
         for r, style in zip(runs, ["-", "--", "-", "-", ":", "-.", "--", ":"]):
             steps, losses = zip(*r["curve"])
             run_mean = r.get("mean_bytes")   # older results: not recorded
+            if r["name"] == "ddp-powersgd":
+                # Computed here: results written before 2026-11-28 recorded the hook's
+                # compressed bytes as its mean, leaving out its uncompressed warm-up.
+                run_mean = hook_mean_bytes(r["bytes"], 4 * r["params"], r["warmup"],
+                                           steps[-1])
             over_run = f"; {plain / run_mean:.1f}x over the run" \
                 if r.get("warmup") and run_mean else ""
             ax.plot(steps, losses, style, label=f"{label(r)} (final {losses[-1]:.3f}, "
