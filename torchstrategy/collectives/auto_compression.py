@@ -32,13 +32,14 @@ second each way per replica, `c` bytes a second of memory copy on one core):
   transfer``; with ``overlap=True`` (Int8's default) they send during backward, and the
   part of the uncompressed transfer that backward hid (the modelled all-reduce minus the
   wait it explains) is taken off theirs: ``local + compress + max(transfer - hidden, 0)``.
-  Their kernels stay in the sum: on a CPU they run on the core backward uses. Int8's quantisation and summation are timed by the probe itself (its two
-  kernels on up to 4 MiB of float32, with N replicas' levels), then scaled to the
-  gradients; it gathers a byte an element plus a float a chunk (three collectives a
-  bucket: the flags, the levels, the scales). PowerSGD (a candidate only when the user
-  lists it) costs `POWERSGD_COPIES` copies of the matrices' float32 bytes, one copy of
-  the rest and `POWERSGD_MATRIX_COPY_BYTES` a matrix, and all-reduces P, Q and the
-  uncompressed rest (three collectives a bucket).
+  Their kernels stay in the sum: on a CPU they run on the core backward uses. Int8's
+  quantisation and summation are timed by the probe itself (its two kernels on up to 4 MiB
+  of float32, with N replicas' levels), then scaled to the gradients; it gathers a byte
+  an element plus a float a chunk (three collectives a bucket: the flags, the levels, the
+  scales). PowerSGD (a candidate only when the user lists it) costs `POWERSGD_COPIES`
+  copies of the matrices' float32 bytes, one copy of the rest and
+  `POWERSGD_MATRIX_COPY_BYTES` a matrix, and all-reduces P, Q and the uncompressed rest
+  (three collectives a bucket).
 
 The copy counts were measured on the project's 2-core CPU machines (one thread, the
 kernels of error_feedback.py against ``Tensor.copy_`` of the same bytes: PowerSGD rank 4

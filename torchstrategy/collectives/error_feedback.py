@@ -45,8 +45,8 @@ them all.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import datetime
+import itertools
 import warnings
 from typing import Any, Callable
 
