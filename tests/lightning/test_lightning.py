@@ -229,6 +229,7 @@ def test_wrapped_strategy_decides_devices_when_left_at_auto():
     both shuffle alike."""
     from torch.utils.data import DistributedSampler
 
+    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     for arguments in ({}, {"devices": 1, "accelerator": "cpu"}):
         trainer = _trainer(strategy=_one_device(), max_steps=1, enable_progress_bar=False,
                            enable_model_summary=False, enable_checkpointing=False,
@@ -238,6 +239,11 @@ def test_wrapped_strategy_decides_devices_when_left_at_auto():
         _fit_one_step(trainer)
         assert trainer.global_step == 1 and trainer.strategy.is_distributed
         assert isinstance(trainer.train_dataloader.sampler, DistributedSampler)
+        # A lone replica divides no cores: this process's threads and environment stay as
+        # they were (a thread count left in the environment would reach every process it
+        # starts later, replicas included).
+        assert torch.get_num_threads() == threads
+        assert os.environ.get("OMP_NUM_THREADS") == omp
 
 
 def test_mismatched_devices_is_a_clear_error():

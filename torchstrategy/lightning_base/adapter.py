@@ -590,9 +590,13 @@ class LightningStrategy(_LightningParallelStrategy):
         # OMP_NUM_THREADS is unset (its launcher does, in every replica, whoever started
         # the processes), and records the choice there for the processes they start. Doing
         # the same gives the same speed and the same numbers: a matrix product split over
-        # another number of threads can round differently, which AdamW makes visible.
-        if "OMP_NUM_THREADS" not in os.environ:
-            threads = world_lib.threads_per_replica(self._local_replicas())
+        # another number of threads can round differently, which AdamW makes visible. A
+        # lone replica keeps torch's default (every core) and the environment untouched:
+        # nothing is divided, and a process that trains in a notebook or a test runner
+        # then hands no thread count to the replicas it starts later.
+        local_replicas = self._local_replicas()
+        if local_replicas > 1 and "OMP_NUM_THREADS" not in os.environ:
+            threads = world_lib.threads_per_replica(local_replicas)
             torch.set_num_threads(threads)
             os.environ["OMP_NUM_THREADS"] = str(threads)
         super().setup_environment()
