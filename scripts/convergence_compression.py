@@ -219,20 +219,20 @@ def train(name: str, args: argparse.Namespace) -> dict:
             schedule.step()
     stats = strategy.extended.stats()
     sent, ratio = stats.bytes_reduced, stats.compression_ratio
+    numel = sum(p.numel() for p in model.parameters())
     if name == "ddp-powersgd":   # the hook's P, Q and uncompressed tensors, fp32
         rule = ts.PowerSGD(rank=args.rank)
         sent = 4 * sum(args.rank * (p.shape[0] + p[0].numel()) if rule.compresses(p.shape)
                        else p.numel() for p in model.parameters())
-        ratio = 4 * sum(p.numel() for p in model.parameters()) / sent
+        ratio = 4 * numel / sent
     return {"name": name, "setting": setting(args), "rank": args.rank,
             "warmup": {"powersgd-warmup": args.warmup, "onebit": args.onebit_warmup,
                        "ddp-powersgd": max(2, args.warmup)}.get(name, 0),
             "mean_bytes": total_sent / args.steps if name != "ddp-powersgd" else
-            hook_mean_bytes(sent, 4 * sum(p.numel() for p in model.parameters()),
-                            max(2, args.warmup), args.steps),
+            hook_mean_bytes(sent, 4 * numel, max(2, args.warmup), args.steps),
             "seed": args.seed, "curve": curve, "cpu_seconds": time.process_time() - start,
             "bytes": sent, "ratio": ratio,
-            "params": sum(p.numel() for p in model.parameters())}
+            "params": numel}
 
 
 def hook_mean_bytes(compressed: int, uncompressed: int, warmup: int, steps: int) -> float:
