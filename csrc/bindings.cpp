@@ -31,6 +31,8 @@ TORCH_LIBRARY(torchstrategy, m) {
         "Tensor(b!) out) -> ()");
   m.def("powersgd_finish_reference(Tensor(a!) residual, Tensor p, Tensor q_local_t, "
         "Tensor q_t, Tensor(b!) out) -> ()");
+  m.def("powersgd_finish_batched(Tensor(a!) residual, Tensor p, Tensor q_local_t, "
+        "Tensor q_t, Tensor(b!) out) -> ()");
 }
 
 // Every device without a dedicated kernel gets the generic implementation.
@@ -45,6 +47,7 @@ TORCH_LIBRARY_IMPL(torchstrategy, CompositeExplicitAutograd, m) {
   m.impl("dequantize_sum_reference", &torchstrategy::dequantize_sum_generic);
   m.impl("powersgd_finish", &torchstrategy::powersgd_finish_generic);
   m.impl("powersgd_finish_reference", &torchstrategy::powersgd_finish_generic);
+  m.impl("powersgd_finish_batched", &torchstrategy::powersgd_finish_batched_generic);
 }
 
 TORCH_LIBRARY_IMPL(torchstrategy, CPU, m) {
@@ -53,6 +56,7 @@ TORCH_LIBRARY_IMPL(torchstrategy, CPU, m) {
   m.impl("ef_quantize_int8", &torchstrategy::ef_quantize_int8_cpu);
   m.impl("dequantize_sum", &torchstrategy::dequantize_sum_cpu);
   m.impl("powersgd_finish", &torchstrategy::powersgd_finish_cpu);
+  m.impl("powersgd_finish_batched", &torchstrategy::powersgd_finish_batched_cpu);
 }
 
 #ifdef TORCHSTRATEGY_WITH_CUDA  // set by setup.py when csrc/*.cu is built

@@ -7,8 +7,10 @@
 #include "cpu_levels.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/bmm.h>
 #include <ATen/ops/mm.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace torchstrategy {
@@ -77,6 +79,33 @@ void check_args(const at::Tensor& residual, const at::Tensor& p, const at::Tenso
   check_matrix(q_t, "q_t", q_t.size(0), residual.size(1));
 }
 
+void check_batch(const at::Tensor& t, const char* name, int64_t count, int64_t rows,
+                 int64_t cols) {
+  TORCH_CHECK(t.dim() == 3 && t.size(0) == count && t.size(1) == rows && t.size(2) == cols,
+              "powersgd: ", name, " must be ", count, " x ", rows, " x ", cols, ", got ",
+              t.sizes());
+}
+
+void check_batch_args(const at::Tensor& residual, const at::Tensor& p,
+                      const at::Tensor& q_local_t, const at::Tensor& q_t,
+                      const at::Tensor& out) {
+  TORCH_CHECK(residual.dim() == 3 && residual.scalar_type() == at::kFloat &&
+                  residual.is_contiguous(),
+              "powersgd: the batched residual must be a contiguous float tensor of "
+              "count x rows x cols");
+  const int64_t count = residual.size(0), rows = residual.size(1), cols = residual.size(2);
+  TORCH_CHECK(q_t.dim() == 3, "powersgd: q_t must be count x rank x cols, got ", q_t.sizes());
+  const int64_t rank = q_t.size(1);
+  check_batch(p, "p", count, rows, rank);
+  check_batch(q_local_t, "q_local_t", count, rank, cols);
+  check_batch(q_t, "q_t", count, rank, cols);
+  check_batch(out, "out", count, rows, cols);
+}
+
+bool is_float_batch(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat && t.device().is_cpu() && t.is_contiguous();
+}
+
 // Rows per task: about 64K elements, so a large matrix spreads over every thread.
 int64_t grain_rows(int64_t cols) {
   return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(cols, 1));
@@ -116,6 +145,54 @@ void powersgd_finish_cpu(at::Tensor residual, const at::Tensor& p,
   float* o = out.data_ptr<float>();
   at::parallel_for(0, rows, grain_rows(cols), [&](int64_t lo, int64_t hi) {
     finish_rows(res, pp, ql, q, o, lo, hi, cols, rank);
+  });
+}
+
+void powersgd_finish_batched_generic(at::Tensor residual, const at::Tensor& p,
+                                     const at::Tensor& q_local_t, const at::Tensor& q_t,
+                                     at::Tensor out) {
+  check_batch_args(residual, p, q_local_t, q_t, out);
+  residual.baddbmm_(p, q_local_t, /*beta=*/1, /*alpha=*/-1);
+  if (out.scalar_type() == at::kFloat && out.is_contiguous()) {
+    at::bmm_out(out, p, q_t);
+  } else {
+    out.copy_(at::bmm(p, q_t));
+  }
+}
+
+void powersgd_finish_batched_cpu(at::Tensor residual, const at::Tensor& p,
+                                 const at::Tensor& q_local_t, const at::Tensor& q_t,
+                                 at::Tensor out) {
+  check_batch_args(residual, p, q_local_t, q_t, out);
+  const int64_t count = residual.size(0), rows = residual.size(1), cols = residual.size(2);
+  const int64_t rank = q_t.size(1);
+  if (!has_fused_rank(rank) || !is_float_batch(p) || !is_float_batch(q_local_t) ||
+      !is_float_batch(q_t) || !is_float_batch(out)) {
+    // The per-matrix kernel in turn: each matrix gets the bits of its own call.
+    for (int64_t b = 0; b < count; ++b) {
+      powersgd_finish_cpu(residual.select(0, b), p.select(0, b), q_local_t.select(0, b),
+                          q_t.select(0, b), out.select(0, b));
+    }
+    return;
+  }
+  float* res = residual.data_ptr<float>();
+  const float* pp = p.const_data_ptr<float>();
+  const float* ql = q_local_t.const_data_ptr<float>();
+  const float* q = q_t.const_data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t matrix = rows * cols;
+  // Parallel over the rows of every matrix together (many small matrices still fill every
+  // thread); a task's rows are cut at the matrices' borders. Each row's terms are added as
+  // in the per-matrix kernel: the same bits.
+  at::parallel_for(0, count * rows, grain_rows(cols), [&](int64_t lo, int64_t hi) {
+    while (lo < hi) {
+      const int64_t b = lo / rows;
+      const int64_t end = std::min(hi, (b + 1) * rows);
+      finish_rows(res + b * matrix, pp + b * rows * rank, ql + b * rank * cols,
+                  q + b * rank * cols, o + b * matrix, lo - b * rows, end - b * rows, cols,
+                  rank);
+      lo = end;
+    }
   });
 }
 

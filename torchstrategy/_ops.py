@@ -84,3 +84,13 @@ def powersgd_finish(residual: torch.Tensor, p: torch.Tensor, q_local_t: torch.Te
     (what this replica's term missed), ``out = p @ q_t`` (P Q^T); one fused pass on CPU."""
     _require_extension()
     torch.ops.torchstrategy.powersgd_finish(residual, p, q_local_t, q_t, out)
+
+
+def powersgd_finish_batched(residual: torch.Tensor, p: torch.Tensor, q_local_t: torch.Tensor,
+                            q_t: torch.Tensor, out: torch.Tensor) -> None:
+    """`powersgd_finish` for `count` matrices of one shape at once, in place: `residual` and
+    `out` are ``count x rows x cols``, `p` ``count x rows x rank``, `q_local_t` and `q_t`
+    ``count x rank x cols``. On CPU every matrix gets the bits `powersgd_finish` gives it
+    alone (csrc/powersgd_ops.h), without a call per matrix."""
+    _require_extension()
+    torch.ops.torchstrategy.powersgd_finish_batched(residual, p, q_local_t, q_t, out)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import torchstrategy as ts
 from torchstrategy import _ops
-from torchstrategy.collectives.compression import with_compression
+from torchstrategy.collectives.compression import GradBucket, with_compression
 from torchstrategy.collectives.error_feedback import ErrorFeedbackStage, initial_q
 from torchstrategy.collectives.stats import ReductionStats
 from tests.helpers.replicas import from_every_replica, launch
@@ -80,6 +80,34 @@ def test_kernels_refuse_bad_shapes():
     with pytest.raises(RuntimeError, match="chunk must be positive"):
         _ops.dequantize_sum(torch.zeros(1, 4, dtype=torch.int8), torch.ones(1, 1),
                             torch.empty(4), 0)
+
+
+@pytest.mark.parametrize("rank", [1, 2, 4, 8, 3])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_batched_finish_gives_each_matrix_the_bits_of_its_own_call(rank, out_dtype):
+    # Ranks 1, 2, 4, 8 take the fused loops (parallel over every matrix's rows together);
+    # 3 and a bf16 bucket the per-matrix fallback. Several threads: tasks cut across the
+    # matrices' borders.
+    g = torch.Generator().manual_seed(rank)
+    count, rows, cols = 5, 300, 70
+    residual = torch.randn(count, rows, cols, generator=g)
+    p = torch.linalg.qr(torch.randn(count, rows, rank, generator=g)).Q.contiguous()
+    q_local_t = torch.randn(count, rank, cols, generator=g)
+    q_t = torch.randn(count, rank, cols, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        batched, out = residual.clone(), torch.empty(count, rows, cols, dtype=out_dtype)
+        _ops.powersgd_finish_batched(batched, p, q_local_t, q_t, out)
+        for b in range(count):
+            alone, out_alone = residual[b].clone(), torch.empty(rows, cols, dtype=out_dtype)
+            _ops.powersgd_finish(alone, p[b], q_local_t[b], q_t[b], out_alone)
+            assert torch.equal(batched[b], alone) and torch.equal(out[b], out_alone), b
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match="q_local_t must be 5 x 3 x 70"):
+        _ops.powersgd_finish_batched(batched, p[:, :, :1].expand(5, 300, 3), q_local_t[:, :1],
+                                     q_t[:, :1].expand(5, 3, 70), out)
 
 
 # -- 2 replicas ---------------------------------------------------------------------------
@@ -214,6 +242,7 @@ def _first_job(directory):
         [(name, lambda make=make: _train(make())) for name, make in _COMPRESSIONS.items()]
         + [(f"bf16_{name}", lambda make=make: _bf16_mean(make()))
            for name, make in _BF16_COMPRESSIONS.items()]
+        + [("stage_runs", _stage_runs)]
         + [("backup_uninterrupted", lambda: _backup_run(os.path.join(directory, "a"), None)),
            ("backup_preempted", lambda: _backup_run(os.path.join(directory, "b"), 4))])
 
@@ -483,6 +512,174 @@ def test_backup_and_restore_resumes_exactly(first_launch, resume_launch):
     for r in range(2):
         for a, b in zip(resumed[r], uninterrupted[r]):
             assert torch.equal(a, b)
+
+
+# -- PowerSGD's runs of same-shaped matrices, driven on the stage itself ------------------
+# Matrices of one shape back to back in a bucket go through PowerSGD's steps together (one
+# batched call per run); the odd ones alone. Registration index -> shape: runs of 16 x 24
+# and 8 x 40 broken by a vector, a small uncompressed matrix and other shapes.
+_RUN_SHAPES = [(16, 24), (16, 24), (16, 24), (7,), (16, 24), (8, 40), (8, 40), (24, 16),
+               (16, 24), (3, 2), (8, 40)]
+_RUN_STEPS = 6
+_REBUCKET_AT = 3   # from this step the buckets are laid out anew
+_RUN_BUCKETS = {"first": [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10]],
+                # runs of 5 (16 x 24) and 3 (8 x 40), in another order
+                "rebucketed": [[8, 0, 1, 2, 4], [3, 5, 6, 10, 7, 9]],
+                # one matrix a bucket: every matrix alone, the per-matrix path
+                "alone": [[i] for i in range(len(_RUN_SHAPES))]}
+_RUN_SAVE_AT = 2   # the round trip: state_dict after this step, loaded by a fresh stage
+
+
+def _run_contributes(step, replica, index):
+    """Index 2: not replica 1's at steps 1 and 4; index 6: nobody's at step 2; index 0:
+    nobody's at step 4 (a hole inside the run of 16 x 24 of the re-bucketed layout)."""
+    if index == 2 and replica == 1 and step in (1, 4):
+        return False
+    return not ((index == 6 and step == 2) or (index == 0 and step == 4))
+
+
+def _run_gradient(step, replica, index):
+    g = torch.Generator().manual_seed(10_000 * step + 100 * replica + index)
+    return torch.randn(_RUN_SHAPES[index], generator=g)
+
+
+def _run_stage(overlap, layouts, round_trip):
+    """Drives an ErrorFeedbackStage as the reducer does (launches in bucket order, the
+    flags summed, the waits in bucket order) for _RUN_STEPS steps on this replica; returns
+    per step {index: what its slot holds after the reduction} and the final state."""
+    r = dist.get_rank()
+    compression = ts.PowerSGD(rank=2, seed=5, overlap=overlap)
+    stage = ErrorFeedbackStage(compression)
+    parameters = {i: torch.empty(shape) for i, shape in enumerate(_RUN_SHAPES)}
+    applied = []
+    for step in range(_RUN_STEPS):
+        buckets = []
+        for b, indices in enumerate(layouts[1] if step >= _REBUCKET_AT else layouts[0]):
+            numels = tuple(parameters[i].numel() for i in indices)
+            offsets = tuple(sum(numels[:k]) for k in range(len(numels)))
+            buffer = torch.zeros(sum(numels))
+            flags = torch.zeros(len(indices))
+            for k, i in enumerate(indices):
+                if _run_contributes(step, r, i):
+                    buffer.narrow(0, offsets[k], numels[k]).copy_(
+                        _run_gradient(step, r, i).view(-1))
+                    flags[k] = 1
+            buckets.append(GradBucket(index=b, buffer=buffer,
+                                      parameters=tuple(parameters[i] for i in indices),
+                                      indices=tuple(indices), offsets=offsets, numels=numels,
+                                      flags=flags))
+        handles = [stage.launch(bucket) for bucket in buckets]
+        for bucket in buckets:
+            dist.all_reduce(bucket.flags)
+        for handle in handles:
+            handle.wait()
+        stage.end_step(True)
+        applied.append({i: bucket.gradient(k).view(_RUN_SHAPES[i]).clone()
+                        for bucket in buckets for k, i in enumerate(bucket.indices)})
+        if round_trip and step == _RUN_SAVE_AT:
+            saved = stage.state_dict()
+            stage = ErrorFeedbackStage(compression)
+            stage.load_state_dict(saved)
+    return applied, stage.state_dict()
+
+
+def _stage_runs():
+    first, rebucketed, alone = (_RUN_BUCKETS[k] for k in ("first", "rebucketed", "alone"))
+    runs = {"batched": _run_stage(False, (first, rebucketed), False),
+            "round_trip": _run_stage(False, (first, rebucketed), True),
+            "overlap": _run_stage(True, (first, rebucketed), False),
+            "alone": _run_stage(False, (alone, alone), False),
+            "rebucketed_alone": _run_stage(False, (first, alone), False)}
+    return from_every_replica(runs)
+
+
+def _reference_runs(rank, seed):
+    """Plain-torch PowerSGD, a matrix at a time, for the stage's scenario: per step the
+    applied sums, and at the end every replica's residuals and the Q matrices. A matrix
+    nobody contributed keeps its residual and Q, and its slot its zeros."""
+    residual, qs, applied = {}, {}, []
+    for step in range(_RUN_STEPS):
+        out = {}
+        for i, shape in enumerate(_RUN_SHAPES):
+            local = [_run_gradient(step, r, i) if _run_contributes(step, r, i)
+                     else torch.zeros(shape) for r in range(2)]
+            compressed = ts.PowerSGD(rank=rank).compresses(torch.Size(shape))
+            if not compressed or not any(_run_contributes(step, r, i) for r in range(2)):
+                out[i] = local[0] + local[1]
+                continue
+            ms = [g + residual.get((r, i), torch.zeros(shape)) for r, g in enumerate(local)]
+            q = qs.get(i, initial_q(seed, i, shape[1], rank))
+            p = torch.linalg.qr(ms[0] @ q + ms[1] @ q, mode="reduced").Q
+            q_locals = [(p.t() @ m).t() for m in ms]
+            for r, (m, ql) in enumerate(zip(ms, q_locals)):
+                residual[(r, i)] = m - p @ ql.t()
+            qs[i] = q_locals[0] + q_locals[1]
+            out[i] = p @ qs[i].t()
+        applied.append(out)
+    return applied, residual, qs
+
+
+@pytest.fixture(scope="module")
+def stage_runs(first_launch):
+    return _outcome(first_launch[1], "stage_runs")
+
+
+def test_powersgd_runs_of_same_shaped_matrices_equal_plain_torch(stage_runs):
+    # Batched runs (a hole in one, a matrix one replica skipped, one nobody contributed),
+    # a re-bucketing into longer runs, overlap, and every matrix alone: each equals a
+    # plain-torch PowerSGD computed a matrix at a time.
+    applied, residual, qs = _reference_runs(rank=2, seed=5)
+    for name in ("batched", "round_trip", "overlap", "alone", "rebucketed_alone"):
+        for r in range(2):
+            got, state = stage_runs[r][name]
+            for step in range(_RUN_STEPS):
+                for i in range(len(_RUN_SHAPES)):
+                    torch.testing.assert_close(
+                        got[step][i], applied[step][i], rtol=1e-4, atol=1e-5,
+                        msg=lambda m: f"{name} step {step} index {i}: {m}")
+            assert sorted(state["residuals"]) == [0, 1, 2, 4, 5, 6, 7, 8, 10], name
+            assert sorted(state["q"]) == sorted(state["residuals"]), name
+            for i, kept in state["residuals"].items():
+                torch.testing.assert_close(kept.view(_RUN_SHAPES[i]), residual[(r, i)],
+                                           rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(state["q"][i], qs[i], rtol=1e-4, atol=1e-5)
+
+
+def test_powersgd_runs_give_every_matrix_what_it_gets_alone(stage_runs):
+    # The batched products (bmm) and the per-matrix ones (mm) may round differently on
+    # some shapes (CPU bmm for small or rank-1 products); the finishing kernel gives each
+    # matrix the same bits batched or not. Every replica applies the same result.
+    for r in range(2):
+        batched = stage_runs[r]["batched"][0]
+        for name in ("alone", "rebucketed_alone", "overlap"):
+            other = stage_runs[r][name][0]
+            for step in range(_RUN_STEPS):
+                for i in range(len(_RUN_SHAPES)):
+                    torch.testing.assert_close(
+                        batched[step][i], other[step][i], rtol=1e-5, atol=1e-6,
+                        msg=lambda m: f"{name} step {step} index {i}: {m}")
+                    other_replica = stage_runs[1 - r]["batched"][0]
+                    assert torch.equal(batched[step][i], other_replica[step][i])
+        # A matrix nobody contributed: its slot untouched (zeros), at step 2 and 4.
+        assert torch.equal(batched[2][6], torch.zeros(8, 40))
+        assert torch.equal(batched[4][0], torch.zeros(16, 24))
+
+
+def test_powersgd_runs_state_round_trip_is_exact(stage_runs):
+    # A fresh stage loading the state after _RUN_SAVE_AT lays the runs out again and
+    # continues bit for bit; the state keeps its format (flat residuals, Q as cols x rank).
+    for r in range(2):
+        uninterrupted, state = stage_runs[r]["batched"]
+        resumed, resumed_state = stage_runs[r]["round_trip"]
+        for step in range(_RUN_STEPS):
+            for i in range(len(_RUN_SHAPES)):
+                assert torch.equal(resumed[step][i], uninterrupted[step][i]), (step, i)
+        for i, kept in state["residuals"].items():
+            assert kept.shape == (_RUN_SHAPES[i][0] * _RUN_SHAPES[i][1],)
+            assert torch.equal(resumed_state["residuals"][i], kept)
+            assert state["q"][i].shape == (_RUN_SHAPES[i][1], 2)
+            assert state["q"][i].is_contiguous()
+            assert torch.equal(resumed_state["q"][i], state["q"][i])
 
 
 # -- bad arguments ------------------------------------------------------------------------

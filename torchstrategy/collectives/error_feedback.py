@@ -45,6 +45,7 @@ them all.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import itertools
 import warnings
@@ -93,6 +94,64 @@ def initial_q(seed: int, index: int, cols: int, rank: int) -> torch.Tensor:
     return torch.randn(cols, rank, generator=generator)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """A run of PowerSGD matrices of one shape, back to back in a bucket: slots `first` to
+    ``first + count - 1``, each ``rows x cols``; their residuals (`residual`, float32) and
+    Q^T (`q_t`, rank x cols each) back to back in buffers of their own, so that a batched
+    product or kernel takes several of them in one call."""
+
+    first: int
+    count: int
+    rows: int
+    cols: int
+    residual: torch.Tensor   # count x rows x cols
+    q_t: torch.Tensor        # count x rank x cols
+
+
+@dataclasses.dataclass(frozen=True)
+class _PowerLayout:
+    """A bucket's PowerSGD runs, valid while the bucket keeps `signature` (its parameters,
+    slots, device and the rank); `residuals` and `q_ts` map each compressed matrix's slot
+    to its views into the runs' buffers (the residual flat, as `ErrorFeedbackStage.
+    residuals` holds it)."""
+
+    signature: tuple[Any, ...]
+    runs: list[_Run]
+    residuals: dict[int, torch.Tensor]
+    q_ts: dict[int, torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stretch:
+    """Matrices ``lo`` to ``lo + count - 1`` of `run` (all used this step): their M (the
+    residual buffer, where M is built) and their slots in the bucket (`view`)."""
+
+    run: _Run
+    lo: int
+    count: int
+    view: torch.Tensor   # count x rows x cols, in the bucket's dtype
+
+    @property
+    def m(self) -> torch.Tensor:
+        return self.run.residual.narrow(0, self.lo, self.count)
+
+
+def _stretches(flags: list[bool], first: int, count: int) -> list[tuple[int, int]]:
+    """The maximal stretches of true `flags` among ``flags[first:first + count]``, as
+    (offset from `first`, length)."""
+    out: list[tuple[int, int]] = []
+    start = -1
+    for j in range(count + 1):
+        if j < count and flags[first + j]:
+            if start < 0:
+                start = j
+        elif start >= 0:
+            out.append((start, j - start))
+            start = -1
+    return out
+
+
 class ErrorFeedbackStage:
     """Runs `compression` on the buckets the gradient reducer hands it (see the module
     docstring), over `group`.
@@ -123,6 +182,9 @@ class ErrorFeedbackStage:
         # 0.59 against 2.87 ms for a 512 x 4608 M, 12 against 45 ms for GPT-2's 50257 x 768
         # embedding), and Q_local^T = P^T M comes out in the same layout.
         self.q_ts: dict[int, torch.Tensor] = {}
+        # PowerSGD keeps a bucket's residuals and Q^T run by run in buffers of their own
+        # (`_PowerLayout`); the entries of `residuals` and `q_ts` are views into them.
+        self._power_layouts: dict[int, _PowerLayout] = {}
         # Int8 keeps each bucket's residuals in one flat buffer (the kernel's input); the
         # per-parameter entries of `residuals` are views into it.
         self._flat_residuals: dict[int, tuple[Any, torch.Tensor]] = {}
@@ -205,8 +267,70 @@ class ErrorFeedbackStage:
         return self._int8(self.compression, bucket)
 
     # -- PowerSGD -----------------------------------------------------------------------
+    def _power_layout(self, algo: PowerSGD, bucket: GradBucket) -> _PowerLayout:
+        """The bucket's compressed matrices grouped in runs, with their residuals and Q^T
+        in buffers of their own (see `_PowerLayout`); built again after a re-bucketing (or
+        a loaded state), taking over every matrix's residual and Q from `residuals` and
+        `q_ts` (which then hold views into the new buffers)."""
+        parameters = bucket.parameters
+        signature = (bucket.indices, bucket.offsets, bucket.numels,
+                     tuple(tuple(p.shape) for p in parameters), bucket.buffer.device,
+                     algo.rank)
+        cached = self._power_layouts.get(bucket.index)
+        if cached is not None and cached.signature == signature:
+            return cached
+        specs: list[list[int]] = []   # [first slot, count, rows, cols]
+        for k, p in enumerate(parameters):
+            if not algo.compresses(p.shape):
+                continue
+            rows = int(p.shape[0])
+            cols = bucket.numels[k] // rows
+            last = specs[-1] if specs else None
+            if last is not None and last[0] + last[1] == k and last[2:] == [rows, cols] \
+                    and bucket.offsets[k] == bucket.offsets[k - 1] + bucket.numels[k - 1]:
+                last[1] += 1
+            else:
+                specs.append([k, 1, rows, cols])
+        device, rank = bucket.buffer.device, algo.rank
+        residuals = torch.zeros(sum(n * r * c for _, n, r, c in specs), dtype=torch.float32,
+                                device=device)
+        q_ts = torch.empty(sum(n * rank * c for _, n, _, c in specs), dtype=torch.float32,
+                           device=device)
+        runs = []
+        residual_views: dict[int, torch.Tensor] = {}
+        q_views: dict[int, torch.Tensor] = {}
+        at = q_at = 0
+        for first, count, rows, cols in specs:
+            run = _Run(first, count, rows, cols,
+                       residuals.narrow(0, at, count * rows * cols).view(count, rows, cols),
+                       q_ts.narrow(0, q_at, count * rank * cols).view(count, rank, cols))
+            at += count * rows * cols
+            q_at += count * rank * cols
+            runs.append(run)
+            for j in range(count):
+                i = bucket.indices[first + j]
+                residual_views[first + j] = view = run.residual[j].view(-1)
+                old = self.residuals.get(i)
+                if old is not None:   # a matrix not used yet has none (and keeps none)
+                    view.copy_(old.reshape(-1))
+                    self.residuals[i] = view
+                q_views[first + j] = q_t = run.q_t[j]
+                old = self.q_ts.get(i)
+                q_t.copy_(initial_q(algo.seed, i, cols, rank).t() if old is None else old)
+                if old is not None:
+                    self.q_ts[i] = q_t
+        # Another bucket's cached layout holding one of these matrices is stale from now on
+        # (this one took its state over): it is built again if that bucket comes back.
+        mine = set(bucket.indices)
+        for index in [b for b, cached in self._power_layouts.items()
+                      if b != bucket.index and mine.intersection(cached.signature[0])]:
+            del self._power_layouts[index]
+        layout = _PowerLayout(signature, runs, residual_views, q_views)
+        self._power_layouts[bucket.index] = layout
+        return layout
+
     def _power_sgd(self, algo: PowerSGD, bucket: GradBucket, overlapped: bool) -> _Finish:
-        flat, group = bucket.buffer, self._group
+        flat, group, rank = bucket.buffer, self._group, algo.rank
         matrix = [algo.compresses(p.shape) for p in bucket.parameters]
         self._compressed_in_step |= any(matrix)
         plain = [bucket.gradient(k) for k, m in enumerate(matrix) if not m]
@@ -223,38 +347,38 @@ class ErrorFeedbackStage:
         # replica); one that no replica contributed is dropped at the end, its residual
         # untouched (its slot held zeros, so M is the residual as it was).
         used = [True] * len(matrix) if overlapped else bucket.contributed()
+        layout = self._power_layout(algo, bucket)
 
         # Every large step below works in place on the residual's own buffer (M is built
         # there, and becomes the new residual) and writes P Q^T straight into the bucket:
         # on CPU these passes are bound by memory, and a fresh multi-MiB tensor per step
         # costs page faults on top (measured: 3-5x slower for GPT-2's 50257 x 768 matrix).
-        # The last pass (residual and output) is one fused kernel (csrc/powersgd_ops.h).
-        work = []   # (slot, index, view, M, Q^T)
-        for k, i in enumerate(bucket.indices):
-            if not matrix[k] or not used[k]:
-                continue
-            rows = int(bucket.parameters[k].shape[0])
-            cols = bucket.numels[k] // rows
-            view = bucket.gradient(k).view(rows, cols)
-            residual = self.residuals.get(i)
-            if residual is None:
-                residual = torch.zeros(rows * cols, dtype=torch.float32, device=view.device)
-            elif residual.device != view.device or residual.dtype != torch.float32 or \
-                    not residual.is_contiguous():
-                residual = residual.to(view.device, torch.float32).contiguous()
-            self.residuals[i] = residual
-            q_t = self.q_ts.get(i)
-            if q_t is None:
-                q_t = initial_q(algo.seed, i, cols, algo.rank).t().contiguous()
-            work.append((k, i, view, residual.view(rows, cols), q_t.to(view.device)))
-        ps = torch.empty(sum(m.shape[0] for _, _, _, m, _ in work) * algo.rank,
+        # The matrices of a run (same shape, back to back in the bucket, their residuals
+        # and Q^T back to back in the layout's buffers) go through each step together, a
+        # stretch of used ones at a time: one call per stretch instead of one per matrix,
+        # whose fixed cost dominates for small matrices. The last pass (residual and
+        # output) is one fused kernel (csrc/powersgd_ops.h).
+        work: list[_Stretch] = []
+        for run in layout.runs:
+            for lo, count in _stretches(used, run.first, run.count):
+                for k in range(run.first + lo, run.first + lo + count):
+                    self.residuals[bucket.indices[k]] = layout.residuals[k]
+                work.append(_Stretch(run, lo, count, flat.narrow(
+                    0, bucket.offsets[run.first + lo], count * run.rows * run.cols).view(
+                        count, run.rows, run.cols)))
+        ps = torch.empty(sum(w.count * w.run.rows for w in work) * rank,
                          dtype=torch.float32, device=flat.device)
         at = 0
-        for _, _, view, m, q_t in work:
-            m.add_(view)                                # M = gradient + residual, in place
-            torch.mm(m, q_t.t(),                        # P = M Q
-                     out=ps.narrow(0, at, m.shape[0] * algo.rank).view(-1, algo.rank))
-            at += m.shape[0] * algo.rank
+        for w in work:
+            m = w.m
+            m.add_(w.view)                              # M = gradient + residual, in place
+            p = ps.narrow(0, at, w.count * w.run.rows * rank).view(w.count, w.run.rows, rank)
+            at += w.count * w.run.rows * rank
+            q_t = w.run.q_t.narrow(0, w.lo, w.count)
+            if w.count == 1:   # a lone matrix (the large ones): BLAS's mm, as it always was
+                torch.mm(m[0], q_t[0].t(), out=p[0])    # P = M Q
+            else:
+                torch.bmm(m, q_t.transpose(1, 2), out=p)
         p_sum = dist.all_reduce(ps, group=group, async_op=True) if work else None
         if work:
             self._sent(ps)
@@ -272,30 +396,49 @@ class ErrorFeedbackStage:
             # them is orthonormalised by one batched QR, which gives every matrix the bits
             # its own QR would (LAPACK per matrix) without the fixed cost of a call per
             # matrix (1024 matrices of 128 x 128: 2.2 ms against 22.8, about 1.6 copies
-            # of their gradient bytes).
-            bases: list[torch.Tensor] = []
+            # of their gradient bytes). The bases are laid out as `ps`, rows by rows.
+            bases = torch.empty_like(ps)
             at = 0
-            for rows, run in itertools.groupby(m.shape[0] for _, _, _, m, _ in work):
-                count = len(list(run))
-                batch = ps.narrow(0, at, count * rows * algo.rank).view(count, rows, algo.rank)
-                at += count * rows * algo.rank
-                bases.extend(p.contiguous() for p in orthonormalize(batch).unbind(0))
-            # Q_local^T = P^T M, reading M by rows.
-            q_locals = [torch.mm(p.t(), m) for p, (_, _, _, m, _) in zip(bases, work)]
-            # Sent as Q^T, the layout kept.
-            q_sum = torch.cat([q.view(-1) for q in q_locals])
+            for rows, group_of in itertools.groupby(work, key=lambda w: w.run.rows):
+                count = sum(w.count for w in group_of)
+                size = count * rows * rank
+                bases.narrow(0, at, size).view(count, rows, rank).copy_(
+                    orthonormalize(ps.narrow(0, at, size).view(count, rows, rank)))
+                at += size
+            # Q_local^T = P^T M, reading M by rows, for every stretch into one buffer; the
+            # sum is sent as Q^T, the layout kept.
+            q_local = torch.empty(sum(w.count * rank * w.run.cols for w in work),
+                                  dtype=torch.float32, device=flat.device)
+            parts = []   # (stretch, P, Q_local^T, its offset in q_local)
+            at = q_at = 0
+            for w in work:
+                p = bases.narrow(0, at, w.count * w.run.rows * rank).view(
+                    w.count, w.run.rows, rank)
+                at += w.count * w.run.rows * rank
+                q_local_t = q_local.narrow(0, q_at, w.count * rank * w.run.cols).view(
+                    w.count, rank, w.run.cols)
+                if w.count == 1:
+                    torch.mm(p[0].t(), w.m[0], out=q_local_t[0])
+                else:
+                    torch.bmm(p.transpose(1, 2), w.m, out=q_local_t)
+                parts.append((w, p, q_local_t, q_at))
+                q_at += w.count * rank * w.run.cols
+            q_sum = q_local.clone()
             dist.all_reduce(q_sum, group=group)
             self._sent(q_sum)
-            at = 0
-            for (k, i, view, m, _), p, q_local_t in zip(work, bases, q_locals):
-                cols = m.shape[1]
-                q_t = q_sum.narrow(0, at, cols * algo.rank).view(algo.rank, cols)
-                at += cols * algo.rank
-                if not used_somewhere[k]:   # (overlap only) nothing to apply, nothing kept
-                    continue
-                # residual = M - P Q_local^T (this replica's miss); the bucket gets P Q^T.
-                _ops.powersgd_finish(m, p, q_local_t, q_t, view)
-                self.q_ts[i] = q_t.clone()
+            for w, p, q_local_t, q_at in parts:
+                q_t = q_sum.narrow(0, q_at, q_local_t.numel()).view(q_local_t.shape)
+                # (overlap only) a matrix no replica contributed: nothing to apply, nothing
+                # kept, its Q as it was.
+                for lo, count in _stretches(used_somewhere, w.run.first + w.lo, w.count):
+                    # residual = M - P Q_local^T (this replica's miss); the bucket gets P Q^T.
+                    _ops.powersgd_finish_batched(
+                        w.m.narrow(0, lo, count), p.narrow(0, lo, count),
+                        q_local_t.narrow(0, lo, count), q_t.narrow(0, lo, count),
+                        w.view.narrow(0, lo, count))
+                    w.run.q_t.narrow(0, w.lo + lo, count).copy_(q_t.narrow(0, lo, count))
+                    for k in range(w.run.first + w.lo + lo, w.run.first + w.lo + lo + count):
+                        self.q_ts[bucket.indices[k]] = layout.q_ts[k]
         return finish
 
     # -- Int8 ---------------------------------------------------------------------------
@@ -413,5 +556,6 @@ class ErrorFeedbackStage:
         self.q_ts = {int(i): t.t().clone(memory_format=torch.contiguous_format)
                      for i, t in state["q"].items()}
         self._flat_residuals = {}
+        self._power_layouts = {}
         if self._onebit is not None:
             self._onebit.load_state_dict(state["onebit"])
