@@ -134,6 +134,38 @@ def test_sigterm_after_launch_returned_leaves_no_multiprocessing_directory(tmp_p
         _kill_group(process)
 
 
+# After a first launch, a process forked from the launcher (as `ts.launch(...,
+# start_method="fork")` and Lightning's notebook strategy fork the pytest worker itself)
+# inherited the launcher's SIGTERM clean-up: a SIGTERM to it removed the launcher's
+# /tmp/pymp-* directory, and every later launch failed ("No such file or directory" at the
+# fork server's socket). Seen in CI: 73 tests of one worker failed after one such SIGTERM.
+_FORKED_CHILD_TERMINATED = """
+import multiprocessing.util, os, signal
+import torchstrategy as ts
+
+ts.launch(os.getpid, num_replicas=1, timeout_seconds=60)  # the fork server starts
+temp_dir = multiprocessing.util.get_temp_dir()
+child = os.fork()
+if child == 0:
+    os.kill(os.getpid(), signal.SIGTERM)
+    os._exit(0)   # not reached: SIGTERM ends the child
+_, status = os.waitpid(child, 0)
+print("child ended by signal", os.WTERMSIG(status) if os.WIFSIGNALED(status) else None)
+print("directory kept", os.path.isdir(temp_dir))
+print("second launch", isinstance(ts.launch(os.getpid, num_replicas=1, timeout_seconds=60), int))
+"""
+
+
+def test_sigterm_to_a_process_forked_from_the_launcher_keeps_its_directory():
+    result = subprocess.run([sys.executable, "-c", _FORKED_CHILD_TERMINATED],
+                            env=plain_environment(), capture_output=True, text=True,
+                            timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert result.stdout.splitlines() == [
+        f"child ended by signal {int(signal.SIGTERM)}", "directory kept True",
+        "second launch True"], result.stdout + result.stderr[-3000:]
+
+
 def test_torch_compile_under_launch_leaks_no_semaphore():
     # Issue 36, item 13: the launcher ended the replicas as soon as they had returned,
     # before their multiprocessing finalizers unlinked the semaphore tqdm made for

@@ -52,6 +52,27 @@ def _raise_terminated(signum: int, frame: Any) -> None:
     raise _Terminated(signum)
 
 
+def _in_this_process_only(handler: Callable[[int, Any], None]) -> Callable[[int, Any], None]:
+    """`handler`, run only in the process that installs it.
+
+    A process forked from the launcher (a replica started with ``start_method="fork"``, a
+    notebook's Lightning replica, any ``os.fork``) inherits the launcher's SIGTERM handler,
+    and with it the launcher's clean-up: it would remove the launcher's multiprocessing
+    directory, where the fork server's socket lives, and every later `launch` of the
+    launcher would then fail to reach its server ("No such file or directory"). Such a
+    process ends as SIGTERM ends a process by default instead, and removes nothing."""
+    owner = os.getpid()
+
+    def guarded(signum: int, frame: Any) -> None:
+        if os.getpid() != owner:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        handler(signum, frame)
+
+    return guarded
+
+
 def _catch_sigterm() -> Any:
     """Makes SIGTERM unwind `launch` (instead of ending the process where it stands, which
     leaves the replicas to notice alone and the /tmp/pymp-* directory behind). Returns the
@@ -61,7 +82,7 @@ def _catch_sigterm() -> Any:
         return None
     if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         return None
-    return signal.signal(signal.SIGTERM, _raise_terminated)
+    return signal.signal(signal.SIGTERM, _in_this_process_only(_raise_terminated))
 
 
 def _die_of_sigterm(temp_dir: str | None) -> None:
@@ -92,7 +113,7 @@ def _clean_up_at_sigterm(temp_dir: str) -> None:
         _compat.stop_forkserver()
         _die_of_sigterm(temp_dir)
 
-    signal.signal(signal.SIGTERM, clean_up)
+    signal.signal(signal.SIGTERM, _in_this_process_only(clean_up))
 
 
 def _replica_main(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
