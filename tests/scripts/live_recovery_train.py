@@ -18,7 +18,10 @@ SIGTERM to itself during the step: it leaves the job at the next commit);
 loss after the optimizer step (a collective after the commit); ``decay_steps``
 (optional): the steps run by another step function, which multiplies the parameters by
 `DECAY` before the optimizer step (a change live recovery cannot undo without a full copy:
-it votes after that function's steps). Each step also runs a
+it votes after that function's steps); ``hold_for_joiners`` (optional, ``[step, count]``):
+the job's replicas wait before that step until `count` joiners asked to join or were
+admitted (so that the step's commit admits them at the latest, whatever the joiners'
+start-up time). Each step also runs a
 BatchNorm (``tracker``, given to LiveRecovery, not part of the model's output) whose
 ``num_batches_tracked`` counts the forward passes a replica kept: a step undone and
 redone must count once. Each surviving replica writes ``out/rank<R>.json``: its final fp64
@@ -28,6 +31,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import torch
 
@@ -117,8 +121,17 @@ def main(config):
         decay(model)
         return train_step(batch)
 
+    hold_step, hold_count = config.get("hold_for_joiners") or (None, 0)
+    started_with = recovery.num_replicas
     while recovery.step < config["steps"]:
         s = recovery.step
+        if s == hold_step and not config.get("join"):
+            deadline = time.monotonic() + 60
+            while (recovery.num_replicas - started_with + recovery.joiners_waiting
+                   < hold_count):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no {hold_count} joiner(s) asked to join in 60 s")
+                time.sleep(0.02)
         recovery.run(decayed_step if s in decay_steps else train_step,
                      (x[s * g:(s + 1) * g], y[s * g:(s + 1) * g]))
         replicas_per_step.append(recovery.num_replicas)

@@ -360,6 +360,15 @@ class LiveRecovery:
         """The replicas training now (the job's, less those lost)."""
         return self._extended.communicator.world_size
 
+    @property
+    def joiners_waiting(self) -> int:
+        """The processes that asked to join the job (``join=``) and are not admitted yet:
+        they are admitted at the job's next commit, as many as `max_replicas` leaves room
+        for. One request to the rendezvous store; 0 for a job of one replica."""
+        if self._store is None:
+            return 0
+        return int(self._store.add(f"{self._prefix}joiners", 0)) - self._admitted
+
     def run(self, fn: Callable[..., Any], global_batch: Any) -> Any:
         """Runs ``strategy.run(fn, args=(share,))``, `share` being this replica's share of
         `global_batch` (the same global batch on every replica), and returns its result.
@@ -552,9 +561,9 @@ class LiveRecovery:
         try:
             if leaving and notice is not None:
                 self._store.set(f"{self._departures}{self._uid}", signal.Signals(notice).name)
-            outcome = self._commit.decide(
-                self._commits, ran, leaving,
-                self._admitted if len(self._members) < self._max_replicas else None)
+            room = self._max_replicas - len(self._members)
+            outcome = self._commit.decide(self._commits, ran, leaving,
+                                          self._admitted if room > 0 else None, room)
         except (StoreLost, RuntimeError) as error:
             self._give_up(f"the rendezvous store stopped answering ({error}): the chief, "
                           "whose machine hosts it, is lost")

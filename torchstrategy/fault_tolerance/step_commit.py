@@ -62,13 +62,14 @@ class StepCommit:
         self._watch = LivenessWatch(store, heartbeat_prefix, uids, dead_after)
 
     def decide(self, step: int, ran: bool, leaving: bool = False,
-               admitted: int | None = None) -> str:
+               admitted: int | None = None, admissible: int = 0) -> str:
         """Votes for `step` (`ran`: whether this replica's step ran to its end; `leaving`:
         whether it leaves the job once the step committed) and returns the decision, the
         same on every replica: `COMMIT`, `COMMIT_AND_LEAVE` (committed, and some replica
         leaves), `COMMIT_AND_ADMIT` followed by the number of joiners to admit (committed;
         with `admitted`, the joiners admitted so far, the vote completing the count asks the
-        store whether more are waiting) or `ABORT`.
+        store whether more are waiting, and admits at most `admissible` more of them, the
+        first in their order) or `ABORT`.
 
         Raises:
           StoreLost: the store stopped answering (its host, the chief's machine, is gone).
@@ -83,8 +84,8 @@ class StepCommit:
                 outcome = COMMIT if votes < _LEAVING else COMMIT_AND_LEAVE
                 if outcome == COMMIT and admitted is not None:
                     waiting = int(self._store.add(self._joiners, 0))
-                    if waiting > admitted:
-                        outcome = f"{COMMIT_AND_ADMIT}{waiting}"
+                    if waiting > admitted and admissible > 0:
+                        outcome = f"{COMMIT_AND_ADMIT}{min(waiting, admitted + admissible)}"
                 return self._store.compare_set(decision, "", outcome).decode()
         except Exception as error:  # TCPStore's errors: its host is gone
             raise StoreLost(str(error).splitlines()[0][:200]) from error
