@@ -36,12 +36,13 @@ def _free_port():
 
 def _start_job(context, out, replicas, kills, min_replicas, steps, global_batch=6,
                commit_every=1, joiners=0, max_replicas=None, reduce_after_steps=(),
-               decay_steps=(), hold_for_joiners=None):
+               decay_steps=(), hold_for_joiners=None, die_during_admission=False):
     os.makedirs(out, exist_ok=True)
     config = {"out": str(out), "steps": steps, "global_batch": global_batch,
               "min_replicas": min_replicas, "kills": kills, "commit_every": commit_every,
               "max_replicas": max_replicas, "reduce_after_steps": list(reduce_after_steps),
-              "decay_steps": list(decay_steps), "hold_for_joiners": hold_for_joiners}
+              "decay_steps": list(decay_steps), "hold_for_joiners": hold_for_joiners,
+              "die_during_admission": die_during_admission}
     port = _free_port()
     processes = []
     for joiner in range(joiners):
@@ -110,9 +111,11 @@ def _one_device(steps, global_batch, decay_steps=()):
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    """Four jobs: 4 replicas committing every 2 steps, one leaving on SIGTERM, then two lost,
-    one at a time (training goes on); 2 replicas joined by a third, then one lost; 2 replicas losing the chief (exit 42); 2 replicas with min_replicas=2 losing
-    one (exit 42); the last two commit every step. The two small
+    """The jobs: 4 replicas committing every 2 steps, one leaving on SIGTERM, then two lost,
+    one at a time (training goes on); 2 replicas losing the chief (exit 42); 2 replicas
+    with min_replicas=2 losing one (exit 42); 2 replicas whose joiner dies during its
+    admission; 2 replicas joined by a third, then one lost; 4 replicas losing 3 around the
+    vote. All but the first commit every step. The two small
     jobs run together (4 processes at most at any time). The replicas are forked by one
     fork server that imported torch and torchstrategy once."""
     context = multiprocessing.get_context("forkserver")
@@ -133,9 +136,12 @@ def jobs(tmp_path_factory):
             steps=5)),
     }
     outcome.update(_finish_jobs(impossible))
+    outcome.update(_finish_jobs({"admission_broken": (root / "admission_broken", _start_job(
+        context, root / "admission_broken", 2, [], min_replicas=2, steps=6, joiners=1,
+        max_replicas=3, hold_for_joiners=[0, 1], die_during_admission=True))}))
     outcome.update(_finish_jobs({"joined": (root / "joined", _start_job(
         context, root / "joined", 2, [[1, 8, "backward"]], min_replicas=2, steps=10,
-        joiners=1, max_replicas=3, hold_for_joiners=[3, 1]))}))
+        joiners=1, max_replicas=3, hold_for_joiners=[0, 1]))}))
     outcome.update(_finish_jobs({"committed": (root / "committed", _start_job(
         context, root / "committed", 4,
         [[3, 1, "before_step"], [2, 2, "after_vote"], [1, 4, "after_step"]],
@@ -175,19 +181,16 @@ def test_departure_and_two_losses_mid_step_survivors_equal_one_device(jobs):
 def test_joiner_admitted_at_a_commit_then_a_loss_equal_one_device(jobs):
     codes, logs, results = jobs["joined"]
     # processes: the joiner first (started with the job), then replicas 0 and 1, which wait
-    # before step 3 until the joiner asked to join or was admitted (its start-up can take
-    # seconds on a loaded machine); replica 1 is SIGKILLed mid-step at step 8: 2 -> 3 -> 2
-    # replicas.
+    # before step 0 until the joiner asked to join (its start-up can take seconds on a
+    # loaded machine), so step 0's commit admits it; replica 1 is SIGKILLed mid-step at
+    # step 8: 2 -> 3 -> 2 replicas.
     assert codes == [0, 0, -signal.SIGKILL], "\n\n".join(log[-2000:] for log in logs)
     members, joiner = results[0], results[2]
-    # Admitted at the commit of step `grown`, step 3 at the latest (the call running it
-    # returns with 3 replicas); the joiner runs the steps after it, starting at the job's
-    # step counter.
-    sizes = members["replicas_per_step"]
-    grown = sizes.index(3)
-    assert grown <= 3 and sizes == [2] * grown + [3] * (8 - grown) + [2, 2], sizes
+    # The call running step 0 returns with 3 replicas; the joiner runs the steps after it,
+    # starting at the job's step counter.
+    assert members["replicas_per_step"] == [3] * 8 + [2, 2]
     assert joiner["steps"] == 10
-    assert joiner["replicas_per_step"] == [3] * (7 - grown) + [2, 2]
+    assert joiner["replicas_per_step"] == [3] * 7 + [2, 2]
     assert [(r[0], r[1], r[2]) for r in members["recoveries"]] == [(8, [1], 2)]
     assert "replica(s) [2] admitted (joiner(s) [2]); 3 replica(s) regrouped" in logs[0] \
         or "replica(s) [2] admitted (joiner(s) [2]); 3 replica(s) regrouped" in logs[1]
@@ -341,3 +344,25 @@ def test_a_machine_lost_on_a_cluster_of_two_machines(tmp_path):
             torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want,
                                        rtol=0, atol=1e-6)
             assert got == mirror
+
+
+def test_a_joiner_killed_during_its_admission_leaves_the_members_training(jobs):
+    codes, logs, results = jobs["admission_broken"]
+    # processes (`codes`): the joiner, then replicas 0 and 1. The joiner is admitted at step 0's
+    # commit and SIGKILLed in the new group of 3 as replica 0 starts sending it the state:
+    # the members' broadcast breaks, they regroup as 2 at once (nothing to redo: step 0
+    # committed) and finish equal to one device.
+    assert codes == [-signal.SIGKILL, 0, 0], "\n\n".join(log[-2000:] for log in logs)
+    members = results[0]
+    assert members["steps"] == 6 and set(results) == {0, 1}
+    assert members["replicas_per_step"] == [2] * 6
+    # (logs[r] is replica r's log; the joiner's is logs[2])
+    assert "the admission of joiner(s) [2] broke" in logs[0]
+    assert "2 replica(s) regrouped in" in logs[0] and "go on from step 1" in logs[0]
+    # Found at once, not at a timeout (the group's connections close when it is abandoned).
+    assert members["recoveries"][0][3] < 10, members["recoveries"]
+    expected = _one_device(6, 6)
+    for got, theirs, want in zip(members["params"], results[1]["params"], expected):
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want,
+                                   rtol=0, atol=1e-6)
+        assert got == theirs

@@ -19,9 +19,10 @@ loss after the optimizer step (a collective after the commit); ``decay_steps``
 (optional): the steps run by another step function, which multiplies the parameters by
 `DECAY` before the optimizer step (a change live recovery cannot undo without a full copy:
 it votes after that function's steps); ``hold_for_joiners`` (optional, ``[step, count]``):
-the job's replicas wait before that step until `count` joiners asked to join or were
-admitted (so that the step's commit admits them at the latest, whatever the joiners'
-start-up time). Each step also runs a
+the job's replicas wait before that step until `count` joiners wait for admission (so
+that the step's commit admits them, whatever the joiners' start-up time: with step 0,
+before any commit could admit one); ``die_during_admission`` (optional, for a joiner): it is SIGKILLed in
+the new group, as the state is being sent to it. Each step also runs a
 BatchNorm (``tracker``, given to LiveRecovery, not part of the model's output) whose
 ``num_batches_tracked`` counts the forward passes a replica kept: a step undone and
 redone must count once. Each surviving replica writes ``out/rank<R>.json``: its final fp64
@@ -64,7 +65,17 @@ def model_and_optimizer():
     return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
+def _die_during_admission():
+    """A joiner SIGKILLed during its admission: in the group of the members and the joiners,
+    as replica 0 starts sending it the state."""
+    def share_state(recovery):
+        os.kill(os.getpid(), signal.SIGKILL)
+    LiveRecovery._share_state = share_state
+
+
 def main(config):
+    if config.get("join") and config.get("die_during_admission"):
+        _die_during_admission()
     strategy = ts.MultiWorkerMirroredStrategy()
     with strategy.scope():
         model, optimizer = model_and_optimizer()
@@ -122,13 +133,11 @@ def main(config):
         return train_step(batch)
 
     hold_step, hold_count = config.get("hold_for_joiners") or (None, 0)
-    started_with = recovery.num_replicas
     while recovery.step < config["steps"]:
         s = recovery.step
         if s == hold_step and not config.get("join"):
             deadline = time.monotonic() + 60
-            while (recovery.num_replicas - started_with + recovery.joiners_waiting
-                   < hold_count):
+            while recovery.joiners_waiting < hold_count:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no {hold_count} joiner(s) asked to join in 60 s")
                 time.sleep(0.02)

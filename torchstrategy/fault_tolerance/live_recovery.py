@@ -116,6 +116,11 @@ def _function_key(fn: Callable[..., Any]) -> str:
     return f"{type(fn).__module__}.{type(fn).__qualname__}"
 
 
+class _AdmissionBroken(RuntimeError):
+    """The group of the members and the joiners admitted at a commit could not be built: a
+    joiner (or a member) died during the admission."""
+
+
 class LiveRecoveryError(RuntimeError):
     """A replica's step raised an error that is not a lost replica (a bug, bad data): every
     replica raises it instead of recovering."""
@@ -128,6 +133,19 @@ def _lost_replica(error: BaseException) -> bool:
         return True
     text = str(error).lower()
     return isinstance(error, RuntimeError) and any(t in text for t in _BROKEN_CONNECTION)
+
+
+def _drop_frames(error: BaseException) -> None:
+    """Lets go of the frames of `error`'s tracebacks (and of the errors chained to it): they
+    reference the broken process group, whose connections must close when it is abandoned,
+    so that a replica still blocked in a collective with this one fails at once (it waited
+    seconds otherwise: measured 12 s after an admission whose joiner died)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        current.__traceback__ = None
+        current = current.__cause__ or current.__context__
 
 
 def _cannot_regroup(extended: DataParallelExtended) -> str:
@@ -657,8 +675,27 @@ class LiveRecovery:
         for uid in new:
             self._store.set(f"{self._prefix}admitted/{uid}", note)
         self._admitted = joiners
-        self._regroup(None, members, joined=new)
-        self._share_state()
+        broken = ""
+        try:
+            self._regroup(None, members, joined=new)
+            if self._joined_now:
+                self._share_state()
+        except Exception as error:
+            if not (isinstance(error, _AdmissionBroken) or _lost_replica(error)):
+                raise
+            # Only its text is kept (see `_drop_frames`).
+            broken = str(error).splitlines()[0][:160]
+        if broken:
+            # A joiner (or a member) died during the admission. The step before it
+            # committed everywhere and the members' states are equal, so the members
+            # regroup among themselves as after a loss between steps (nothing to redo);
+            # no joiner of this admission is admitted (the living ones end, see
+            # `_wait_for_admission`, and may ask again).
+            logger.warning(f"torchstrategy: live recovery: the admission of joiner(s) {new} "
+                           f"broke ({broken}); the members regroup without them.")
+            self._joined_now = []
+            self._members = [m for m in self._members if m not in new]
+            self._regroup(RuntimeError(broken))
 
     def _wait_for_admission(self, ticket: int) -> None:
         """The joiner's side of `_admit`: waits (up to the collective timeout) for the job to
@@ -669,8 +706,15 @@ class LiveRecovery:
         note = json.loads(self._store.get(key))
         self._generation = note["generation"] - 1
         self._admitted = note["admitted"]
-        self._regroup(None, note["members"], joined=[self._uid])
-        self._share_state()
+        try:
+            self._regroup(None, note["members"], joined=[self._uid])
+            self._share_state()
+        except Exception as error:
+            if not (isinstance(error, _AdmissionBroken) or _lost_replica(error)):
+                raise
+            self._give_up(f"its admission broke ({str(error).splitlines()[0][:160]}): a "
+                          "replica or another joiner died meanwhile, and the members go on "
+                          "without this admission's joiners; start it again to ask anew")
 
     def _share_state(self) -> None:
         """Replica 0's parameters, buffers, optimizer state, step counters and random state
@@ -726,6 +770,8 @@ class LiveRecovery:
         assert self._store is not None
         noticed = time.monotonic()
         process = runtime.current()
+        if failure is not None:
+            _drop_frames(failure)
         # Our end of the broken group closes now: a survivor still blocked in a collective
         # with us fails at once instead of at its timeout.
         process.abandon_process_group()
@@ -743,6 +789,10 @@ class LiveRecovery:
             self._give_up(f"the survivors could not agree within "
                           f"{self._recovery_timeout:g} s: {error}")
         lost = tuple(m for m in self._members if m not in survivors)
+        # Joiners that died before they registered for the new group are not admitted.
+        admission = bool(joined)
+        gone = [u for u in joined if u not in survivors]
+        joined = [u for u in joined if u in survivors]
         if self._uid not in survivors:
             self._give_up("the other replicas counted this one as lost (its heartbeat "
                           "stalled) and continued without it")
@@ -755,6 +805,8 @@ class LiveRecovery:
         try:
             process.regroup(world, self._extended.communicator.backend, store, self._timeout)
         except Exception as error:  # gloo's and the store's errors alike
+            if joined:
+                raise _AdmissionBroken(str(error).splitlines()[0][:200]) from error
             self._give_up(f"a second failure during the recovery: the survivors {survivors} "
                           f"could not build their new group "
                           f"({str(error).splitlines()[0][:200]})")
@@ -768,21 +820,26 @@ class LiveRecovery:
         self._generation = generation
         self._commit = self._new_commit()
         seconds = time.monotonic() - noticed
-        if not joined:
+        if not admission:
             self.recoveries.append(Recovery(self.step, lost, len(survivors), seconds,
                                             planned=expected is not None))
         if world.rank == 0:
             cause = "" if failure is None else f" ({str(failure).splitlines()[0][:160]})"
-            how = "left at a commit (termination notice)" if expected else f"lost{cause}"
-            if joined:
-                how = f"admitted (joiner(s) {list(joined)})"
-                lost = ()
+            if admission:
+                what = f"replica(s) {joined} admitted (joiner(s) {joined})" if joined else \
+                    "no joiner admitted"
+                if gone:
+                    what += f", joiner(s) {gone} lost before they regrouped"
+            elif expected:
+                what = f"replica(s) {list(lost)} left at a commit (termination notice)"
+            else:
+                what = f"replica(s) {list(lost)} lost{cause}" if lost else \
+                    f"no member lost{cause}"
             last = self._committed + len(self._window) - 1
             redo = f"redo step(s) {self.step}..{last} on the same global batches" \
                 if self._window else f"go on from step {self._committed}"
-            logger.warning(
-                f"torchstrategy: live recovery: replica(s) {list(lost) or list(joined)} {how}; "
-                f"{len(survivors)} replica(s) regrouped in {seconds:.2f} s and {redo}.")
+            logger.warning(f"torchstrategy: live recovery: {what}; {len(survivors)} "
+                           f"replica(s) regrouped in {seconds:.2f} s and {redo}.")
 
     def _survivors_world(self, prefix: str, survivors: list[int]) -> world_lib.World:
         """This replica's place among `survivors` (their machines read from what each
