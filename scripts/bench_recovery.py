@@ -19,17 +19,27 @@ variables, rank 0 serving the rendezvous store) that train an MLP whose training
 2. **Recovery.** Replica ``replicas - 1`` then SIGKILLs itself between forward and backward;
    the survivors recover and go on. Printed: the seconds from the kill (its time written to
    a file just before) to the next committed step on replica 0, and the recovery's own
-   duration (``Recovery.seconds``: agreement and new group; ``--detection`` seconds of it
-   are the heartbeat's bound, used only when no collective broke).
+   duration (``Recovery.seconds``: agreement and new group; the agreement waits until the
+   lost replica's heartbeat is ``--detection`` seconds old), and the parts of the former:
+   the kill until replica 0 noticed (its ``_regroup`` called), the recovery, then the
+   step redone.
 3. **A joiner.** Once the loss happened a fresh process joins (``join=``): printed, the
    seconds from its start to its first step as a replica (import, admission at the next
-   commit, the state broadcast by replica 0).
+   commit, the state broadcast by replica 0), and its parts: the import, the strategy and
+   model, the admission (``LiveRecovery(join=...)`` until it returns: the wait for the
+   members' next commit, the new group, and the state from replica 0, itself split into
+   the parameters' ``broadcast_`` and the optimizer state's ``broadcast_object``; timed by
+   wrapping those methods in the joiner) and the first step; and how long replica 0 paused
+   for the admission (its ``_admit``).
 4. **Restart, for comparison.** The path of today (issue 34): ``replicas - 1`` fresh
    processes start, import torch and torchstrategy, form their group, build the model,
    load the state from a local file (saved by replica 0 at the end of phase 2) and run one
-   step. Printed: the seconds from their start to that step. This is a lower bound of a
-   torchrun restart, whose rendezvous adds its heartbeat and last-call waits (docs:
-   18-37 s in all for a tiny model).
+   step. Printed: the seconds from their start to that step, and its parts, among them
+   the local load alone (``torch.load`` of the file, just written and so most likely in
+   the page cache, then ``load_state_dict``). This is a lower bound of a torchrun
+   restart, whose rendezvous adds its heartbeat and last-call waits (docs: 18-37 s in all
+   for a tiny model). Last, the ratio of the joiner's admission to that local load (issue
+   34's target: at most 1.5), and the same without the wait for a commit.
 
 Run it alone on the machine (``nice -n 10`` when shared), e.g.
 ``python scripts/bench_recovery.py --replicas 3 --state-mb 50``. Timings on a shared
@@ -66,14 +76,44 @@ def _model(state_mb: float) -> torch.nn.Sequential:
                                torch.nn.Linear(width, width))
 
 
+def _timed(cls: type, name: str, into: dict[str, float]) -> None:
+    """Wraps ``cls.name`` (in this process) to add each call's seconds to ``into[name]``
+    and to note the wall time its first call started in ``into[name + "_first_at"]``."""
+    method = getattr(cls, name)
+
+    def timed(*args: object, **kwargs: object) -> object:
+        into.setdefault(f"{name}_first_at", time.time())
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            into[name] = into.get(name, 0.0) + time.perf_counter() - start
+
+    setattr(cls, name, timed)
+
+
 def _worker(config: dict) -> None:
     # Imported here: the parent process only starts the replicas and reads their results.
     import torchstrategy as ts
+    from torchstrategy.collectives.communicator import Communicator
     from torchstrategy.fault_tolerance.live_recovery import LiveRecovery
 
     from torchstrategy.fault_tolerance import step_commit
 
+    imported_at = time.time()   # torch (the script's own import) and torchstrategy
     joining = config.get("join") is not None
+    # The admission's parts, timed around LiveRecovery's own steps (a joiner's: the wait for
+    # the note of a commit, the new group, the state from replica 0 and, within it, the
+    # parameters' broadcast and the optimizer state's; replica 0's: its `_admit`).
+    parts: dict[str, float] = {}
+    if joining:
+        for name in ("_wait_for_admission", "_regroup", "_share_state"):
+            _timed(LiveRecovery, name, parts)
+        for name in ("broadcast_", "broadcast_object"):
+            _timed(Communicator, name, parts)
+    elif not config["restart"]:
+        for name in ("_admit", "_regroup"):
+            _timed(LiveRecovery, name, parts)
     # The vote's time, measured around each call (this process's votes only).
     vote_seconds: list[float] = []
     decide = step_commit.StepCommit.decide
@@ -92,10 +132,16 @@ def _worker(config: dict) -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     width = _width(config["state_mb"])
     g = config["global_batch"]
+    built_at = time.time()   # the strategy, the model and its optimizer
+    load: dict[str, float] = {}
     if config["restart"]:
+        start = time.perf_counter()
         state = torch.load(config["state_file"], weights_only=True)
+        load["torch_load"] = time.perf_counter() - start
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        load["local_load"] = time.perf_counter() - start
+        del state
     # One committing every k steps, for the timing only (it must not see a loss);
     # made first, so that a joiner joins the one made last.
     every_k = LiveRecovery(strategy, {"model": model, "optimizer": optimizer},
@@ -107,6 +153,7 @@ def _worker(config: dict) -> None:
                             failure_detection_seconds=config["detection"],
                             max_replicas=config["replicas"],
                             join=tuple(config["join"]) if joining else None)
+    admitted_at = time.time()   # a joiner: admitted, with replica 0's state
     rank = recovery.uid
     generator = torch.Generator().manual_seed(1)
     batches = [torch.randn(g, width, generator=generator) for _ in range(4)]
@@ -125,7 +172,9 @@ def _worker(config: dict) -> None:
         recovery.run(step, batches[0])
         if rank == 0 or joining:
             with open(config["out"] if not joining else config["join_out"], "w") as f:
-                json.dump({"first_step_at": time.time()}, f)
+                json.dump({"first_step_at": time.time(), "imported_at": imported_at,
+                           "built_at": built_at, "admitted_at": admitted_at,
+                           "parts": parts, "load": load}, f)
         for _ in range(2 if joining else 0):   # the members' steps after the admission
             recovery.run(step, batches[0])
         return
@@ -184,7 +233,8 @@ def _worker(config: dict) -> None:
                    config["state_file"])
         with open(config["out"], "w") as f:
             json.dump({"times": times, "paired": paired, "votes": live_votes,
-                       "next_step_at": done_at,
+                       "next_step_at": done_at, "admit_seconds": parts.get("_admit"),
+                       "noticed_at": parts.get("_regroup_first_at"),
                        "recovery_seconds": recovery.recoveries[0].seconds}, f)
 
 
@@ -307,15 +357,43 @@ def main() -> None:
     print(f"loss of replica {args.replicas - 1} -> next completed step: "
           f"{live['next_step_at'] - killed_at:.2f} s (of which agreement + new group: "
           f"{live['recovery_seconds']:.2f} s)")
+    noticed = live["noticed_at"] - killed_at
+    print(f"  the loss noticed (a collective broke) {noticed:.2f} s, agreement + new group "
+          f"{live['recovery_seconds']:.2f} s (the lost replica's heartbeat stale for "
+          f"--detection={args.detection:g} s in it), then the step redone "
+          f"{live['next_step_at'] - killed_at - noticed - live['recovery_seconds']:.2f} s")
+    parts = joined["parts"]
+    admission = joined["admitted_at"] - joined["built_at"]
+    transfer = parts["_regroup"] + parts["_share_state"]
     print(f"a joiner (a fresh process: import, strategy, admission at a commit, the state "
           f"from replica 0) -> its first step: {joined['first_step_at'] - joiner_started:.2f} s")
+    print(f"  import of torch and torchstrategy {joined['imported_at'] - joiner_started:.2f} s"
+          f", strategy + model {joined['built_at'] - joined['imported_at']:.2f} s, "
+          f"admission {admission:.2f} s (LiveRecovery(join=...) to its return), first step "
+          f"{joined['first_step_at'] - joined['admitted_at']:.2f} s")
+    print(f"  admission: waiting for a commit {admission - transfer:.2f} s, new group "
+          f"{parts['_regroup']:.2f} s, state from replica 0 {parts['_share_state']:.2f} s "
+          f"(parameters and buffers, broadcast_: {parts.get('broadcast_', 0.0):.2f} s; "
+          f"optimizer state and counters, broadcast_object: "
+          f"{parts.get('broadcast_object', 0.0):.2f} s); replica 0 paused "
+          f"{live['admit_seconds']:.2f} s for it (its _admit)")
     restart_config = dict(config, restart=True, out=os.path.join(directory, "restart.json"))
     started = time.time()
     _wait(_start(args.replicas - 1, restart_config), 600)
     with open(restart_config["out"]) as f:
         restart = json.load(f)
+    load = restart["load"]
     print(f"restart of {args.replicas - 1} fresh processes (import, group, model, local "
           f"state file, one step): {restart['first_step_at'] - started:.2f} s")
+    print(f"  import {restart['imported_at'] - started:.2f} s, strategy + model "
+          f"{restart['built_at'] - restart['imported_at']:.2f} s, local load "
+          f"{load['local_load']:.2f} s (torch.load of the "
+          f"{os.path.getsize(config['state_file']) / 2 ** 20:.0f} MiB file "
+          f"{load['torch_load']:.2f} s, then load_state_dict), LiveRecovery + first step "
+          f"{restart['first_step_at'] - restart['built_at'] - load['local_load']:.2f} s")
+    print(f"admission / local load: {admission / load['local_load']:.2f} x (target 1.5 x); "
+          f"without the wait for a commit (new group + state): "
+          f"{transfer / load['local_load']:.2f} x")
 
 
 if __name__ == "__main__":
