@@ -36,7 +36,8 @@ def _free_port():
 
 def _start_job(context, out, replicas, kills, min_replicas, steps, global_batch=6,
                commit_every=1, joiners=0, max_replicas=None, reduce_after_steps=(),
-               decay_steps=(), hold_for_joiners=None, die_during_admission=False):
+               decay_steps=(), hold_for_joiners=None, die_during_admission=None,
+               collective_timeout=60):
     os.makedirs(out, exist_ok=True)
     config = {"out": str(out), "steps": steps, "global_batch": global_batch,
               "min_replicas": min_replicas, "kills": kills, "commit_every": commit_every,
@@ -50,7 +51,7 @@ def _start_job(context, out, replicas, kills, min_replicas, steps, global_batch=
         # admitted at the job's first commit after that.
         process = context.Process(
             target=script.replica, name=f"live-recovery-joiner-{joiner}",
-            args=({"TORCHSTRATEGY_TIMEOUT_SECONDS": "60"},
+            args=({"TORCHSTRATEGY_TIMEOUT_SECONDS": str(collective_timeout)},
                   dict(config, join=["127.0.0.1", port]),
                   os.path.join(out, f"log{replicas + joiner}")))
         process.start()
@@ -59,7 +60,7 @@ def _start_job(context, out, replicas, kills, min_replicas, steps, global_batch=
         environment = {"RANK": str(rank), "WORLD_SIZE": str(replicas),
                        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(replicas),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "TORCHSTRATEGY_TIMEOUT_SECONDS": "60"}
+                       "TORCHSTRATEGY_TIMEOUT_SECONDS": str(collective_timeout)}
         process = context.Process(target=script.replica, name=f"live-recovery-{rank}",
                                   args=(environment, config,
                                         os.path.join(out, f"log{rank}")))
@@ -136,9 +137,13 @@ def jobs(tmp_path_factory):
             steps=5)),
     }
     outcome.update(_finish_jobs(impossible))
-    outcome.update(_finish_jobs({"admission_broken": (root / "admission_broken", _start_job(
-        context, root / "admission_broken", 2, [], min_replicas=2, steps=6, joiners=1,
-        max_replicas=3, hold_for_joiners=[0, 1], die_during_admission=True))}))
+    # Together: 6 processes, the joiners dying at their admission.
+    outcome.update(_finish_jobs({
+        f"admission_broken_{where}": (root / f"admission_broken_{where}", _start_job(
+            context, root / f"admission_broken_{where}", 2, [], min_replicas=2, steps=6,
+            joiners=1, max_replicas=3, hold_for_joiners=[0, 1], die_during_admission=where,
+            collective_timeout=15))
+        for where in ("share", "group")}))
     outcome.update(_finish_jobs({"joined": (root / "joined", _start_job(
         context, root / "joined", 2, [[1, 8, "backward"]], min_replicas=2, steps=10,
         joiners=1, max_replicas=3, hold_for_joiners=[0, 1]))}))
@@ -346,21 +351,25 @@ def test_a_machine_lost_on_a_cluster_of_two_machines(tmp_path):
             assert got == mirror
 
 
-def test_a_joiner_killed_during_its_admission_leaves_the_members_training(jobs):
-    codes, logs, results = jobs["admission_broken"]
-    # processes (`codes`): the joiner, then replicas 0 and 1. The joiner is admitted at step 0's
-    # commit and SIGKILLed in the new group of 3 as replica 0 starts sending it the state:
-    # the members' broadcast breaks, they regroup as 2 at once (nothing to redo: step 0
-    # committed) and finish equal to one device.
+@pytest.mark.parametrize("where", ["share", "group"])
+def test_a_joiner_killed_during_its_admission_leaves_the_members_training(jobs, where):
+    codes, logs, results = jobs[f"admission_broken_{where}"]
+    # processes (`codes`): the joiner, then replicas 0 and 1; logs[r] is replica r's log
+    # (the joiner's is logs[2]). The joiner is admitted at step 0's commit and SIGKILLed
+    # either in the new group of 3 as replica 0 starts sending it the state ("share": the
+    # members' broadcast breaks at once), or after it registered among the survivors, as
+    # the group is being built ("group": building the members' group fails at the
+    # collective timeout, which bounds it: 15 s here). The members regroup as 2 (nothing to redo: step
+    # 0 committed) and finish equal to one device.
     assert codes == [-signal.SIGKILL, 0, 0], "\n\n".join(log[-2000:] for log in logs)
     members = results[0]
     assert members["steps"] == 6 and set(results) == {0, 1}
     assert members["replicas_per_step"] == [2] * 6
-    # (logs[r] is replica r's log; the joiner's is logs[2])
     assert "the admission of joiner(s) [2] broke" in logs[0]
     assert "2 replica(s) regrouped in" in logs[0] and "go on from step 1" in logs[0]
-    # Found at once, not at a timeout (the group's connections close when it is abandoned).
-    assert members["recoveries"][0][3] < 10, members["recoveries"]
+    # The regrouping after the broken admission: at once (the broken group's connections
+    # close when it is abandoned; a member waiting in replica 0's broadcast is not held).
+    assert members["recoveries"][0][3] < 5, members["recoveries"]
     expected = _one_device(6, 6)
     for got, theirs, want in zip(members["params"], results[1]["params"], expected):
         torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want,

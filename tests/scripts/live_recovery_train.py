@@ -21,8 +21,9 @@ loss after the optimizer step (a collective after the commit); ``decay_steps``
 it votes after that function's steps); ``hold_for_joiners`` (optional, ``[step, count]``):
 the job's replicas wait before that step until `count` joiners wait for admission (so
 that the step's commit admits them, whatever the joiners' start-up time: with step 0,
-before any commit could admit one); ``die_during_admission`` (optional, for a joiner): it is SIGKILLed in
-the new group, as the state is being sent to it. Each step also runs a
+before any commit could admit one); ``die_during_admission`` (optional, for a joiner):
+``"share"`` or ``"group"``, where it is SIGKILLed (see `_die_during_admission`). Each
+step also runs a
 BatchNorm (``tracker``, given to LiveRecovery, not part of the model's output) whose
 ``num_batches_tracked`` counts the forward passes a replica kept: a step undone and
 redone must count once. Each surviving replica writes ``out/rank<R>.json``: its final fp64
@@ -65,17 +66,21 @@ def model_and_optimizer():
     return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
-def _die_during_admission():
-    """A joiner SIGKILLed during its admission: in the group of the members and the joiners,
-    as replica 0 starts sending it the state."""
-    def share_state(recovery):
+def _die_during_admission(where):
+    """A joiner SIGKILLed during its admission: ``"share"``, in the group of the members and
+    the joiners, as replica 0 starts sending it the state; ``"group"``, registered among
+    the survivors, as the new group is being built."""
+    def die(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
-    LiveRecovery._share_state = share_state
+    if where == "share":
+        LiveRecovery._share_state = die
+    else:
+        type(runtime.current()).regroup = die
 
 
 def main(config):
     if config.get("join") and config.get("die_during_admission"):
-        _die_during_admission()
+        _die_during_admission(config["die_during_admission"])
     strategy = ts.MultiWorkerMirroredStrategy()
     with strategy.scope():
         model, optimizer = model_and_optimizer()

@@ -806,6 +806,9 @@ class LiveRecovery:
             process.regroup(world, self._extended.communicator.backend, store, self._timeout)
         except Exception as error:  # gloo's and the store's errors alike
             if joined:
+                # This generation's survivors are decided: the members regroup again
+                # under the next one.
+                self._generation = generation
                 raise _AdmissionBroken(str(error).splitlines()[0][:200]) from error
             self._give_up(f"a second failure during the recovery: the survivors {survivors} "
                           f"could not build their new group "
