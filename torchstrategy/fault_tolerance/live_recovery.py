@@ -56,6 +56,7 @@ from torchstrategy.fault_tolerance import termination
 from torchstrategy.fault_tolerance.batch_split import check_divisible, replica_slice
 from torchstrategy.fault_tolerance.membership import (Heartbeat, StoreLost,
                                                       agree_on_survivors)
+from torchstrategy.fault_tolerance.state_broadcast import broadcast_state
 from torchstrategy.fault_tolerance.step_commit import (ABORT, COMMIT, COMMIT_AND_ADMIT,
                                                       COMMIT_AND_LEAVE, StepCommit)
 from torchstrategy.fault_tolerance.step_snapshot import StepSnapshot, StepStart
@@ -725,7 +726,7 @@ class LiveRecovery:
         with torch.no_grad():
             comm.broadcast_(tensors, src=0)
         for optimizer in self._optimizers:
-            state = comm.broadcast_object(optimizer.state_dict() if comm.rank == 0 else None)
+            state = broadcast_state(comm, optimizer.state_dict() if comm.rank == 0 else None)
             if comm.rank != 0:
                 optimizer.load_state_dict(state)
         counters = comm.broadcast_object(
