@@ -28,7 +28,8 @@ variables, rank 0 serving the rendezvous store) that train an MLP whose training
    commit, the state broadcast by replica 0), and its parts: the import, the strategy and
    model, the admission (``LiveRecovery(join=...)`` until it returns: the wait for the
    members' next commit, the new group, and the state from replica 0, itself split into
-   the parameters' ``broadcast_`` and the optimizer state's ``broadcast_object``; timed by
+   the tensors' ``broadcast_`` (parameters, buffers and the optimizer state's tensors) and
+   ``broadcast_object`` (the optimizer state's structure, the counters); timed by
    wrapping those methods in the joiner) and the first step; and how long replica 0 paused
    for the admission (its ``_admit``).
 4. **Restart, for comparison.** The path of today (issue 34): ``replicas - 1`` fresh
@@ -373,8 +374,9 @@ def main() -> None:
           f"{joined['first_step_at'] - joined['admitted_at']:.2f} s")
     print(f"  admission: waiting for a commit {admission - transfer:.2f} s, new group "
           f"{parts['_regroup']:.2f} s, state from replica 0 {parts['_share_state']:.2f} s "
-          f"(parameters and buffers, broadcast_: {parts.get('broadcast_', 0.0):.2f} s; "
-          f"optimizer state and counters, broadcast_object: "
+          f"(tensors: parameters, buffers, optimizer state, broadcast_: "
+          f"{parts.get('broadcast_', 0.0):.2f} s; the optimizer state's structure and the "
+          f"counters, broadcast_object: "
           f"{parts.get('broadcast_object', 0.0):.2f} s); replica 0 paused "
           f"{live['admit_seconds']:.2f} s for it (its _admit)")
     restart_config = dict(config, restart=True, out=os.path.join(directory, "restart.json"))
