@@ -58,7 +58,8 @@ from torchstrategy.fault_tolerance.membership import (Heartbeat, StoreLost,
                                                       agree_on_survivors)
 from torchstrategy.fault_tolerance.state_broadcast import broadcast_state
 from torchstrategy.fault_tolerance.step_commit import (ABORT, COMMIT, COMMIT_AND_ADMIT,
-                                                      COMMIT_AND_LEAVE, StepCommit)
+                                                      COMMIT_AND_LEAVE, StepCommit,
+                                                      joiners_key)
 from torchstrategy.fault_tolerance.step_snapshot import StepSnapshot, StepStart
 from torchstrategy.launch import rendezvous
 from torchstrategy.launch import world as world_lib
@@ -134,6 +135,12 @@ def _lost_replica(error: BaseException) -> bool:
         return True
     text = str(error).lower()
     return isinstance(error, RuntimeError) and any(t in text for t in _BROKEN_CONNECTION)
+
+
+def _admission_broke(error: BaseException) -> bool:
+    """Whether `error`, raised while members and joiners regroup or share the state, is a
+    replica (or joiner) lost during the admission, rather than an error of the program."""
+    return isinstance(error, _AdmissionBroken) or _lost_replica(error)
 
 
 def _drop_frames(error: BaseException) -> None:
@@ -340,7 +347,7 @@ class LiveRecovery:
                                              timeout)
         if join is not None:
             # A joiner's name: after the job's first ranks and the joiners before it.
-            ticket = int(self._store.add(f"{self._prefix}joiners", 1))
+            ticket = int(self._store.add(joiners_key(self._prefix), 1))
             self._uid = int(self._store.get(f"{self._prefix}size")) + ticket - 1
             self._members = []
         elif world.rank == 0:
@@ -386,7 +393,7 @@ class LiveRecovery:
         for. One request to the rendezvous store; 0 for a job of one replica."""
         if self._store is None:
             return 0
-        return int(self._store.add(f"{self._prefix}joiners", 0)) - self._admitted
+        return int(self._store.add(joiners_key(self._prefix), 0)) - self._admitted
 
     def run(self, fn: Callable[..., Any], global_batch: Any) -> Any:
         """Runs ``strategy.run(fn, args=(share,))``, `share` being this replica's share of
@@ -682,7 +689,7 @@ class LiveRecovery:
             if self._joined_now:
                 self._share_state()
         except Exception as error:
-            if not (isinstance(error, _AdmissionBroken) or _lost_replica(error)):
+            if not _admission_broke(error):
                 raise
             # Only its text is kept (see `_drop_frames`).
             broken = str(error).splitlines()[0][:160]
@@ -711,7 +718,7 @@ class LiveRecovery:
             self._regroup(None, note["members"], joined=[self._uid])
             self._share_state()
         except Exception as error:
-            if not (isinstance(error, _AdmissionBroken) or _lost_replica(error)):
+            if not _admission_broke(error):
                 raise
             self._give_up(f"its admission broke ({str(error).splitlines()[0][:160]}): a "
                           "replica or another joiner died meanwhile, and the members go on "

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from torchstrategy import nest
 from torchstrategy.collectives.communicator import Communicator
 
 
@@ -27,52 +28,36 @@ class _TensorSlot:
     on_accelerator: bool
 
 
-def _strip(value: Any, tensors: list[torch.Tensor]) -> Any:
-    """`value` with each tensor replaced by its `_TensorSlot` (appended to `tensors` in the
-    order of traversal)."""
-    if isinstance(value, torch.Tensor):
-        tensors.append(value.detach())
-        return _TensorSlot(tuple(value.shape), value.dtype, value.device.type != "cpu")
-    if isinstance(value, dict):
-        return type(value)((key, _strip(item, tensors)) for key, item in value.items())
-    if isinstance(value, list):
-        return [_strip(item, tensors) for item in value]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_strip(item, tensors) for item in value)
-    return value
-
-
-def _allocate(value: Any, tensors: list[torch.Tensor], device: torch.device | None) -> Any:
-    """The inverse of `_strip` on a receiver: a new tensor for each slot (appended to
-    `tensors` in the same order), on `device` where the sender's was on an accelerator."""
-    if isinstance(value, _TensorSlot):
-        tensor = torch.empty(value.shape, dtype=value.dtype,
-                             device=device if value.on_accelerator else "cpu")
-        tensors.append(tensor)
-        return tensor
-    if isinstance(value, dict):
-        return type(value)((key, _allocate(item, tensors, device))
-                           for key, item in value.items())
-    if isinstance(value, list):
-        return [_allocate(item, tensors, device) for item in value]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_allocate(item, tensors, device) for item in value)
-    return value
-
-
 def broadcast_state(comm: Communicator, state: Any) -> Any:
     """Returns replica 0's `state` on every replica of `comm` (a collective; `state` is only
     read on replica 0, pass None elsewhere).
 
-    `state` is a nest of dicts, lists and tuples (an optimizer's or a module's
-    ``state_dict()``) whose leaves are tensors or picklable values. The receivers get new
-    tensors of the sender's shapes, dtypes and values: on the CPU where the sender's were,
-    else on `comm.device`; replica 0 gets its own `state` back.
+    `state` is a nested structure (`torchstrategy.nest`: dicts, lists, tuples; an
+    optimizer's or a module's ``state_dict()``) whose leaves are tensors or picklable
+    values. The receivers get new tensors of the sender's shapes, dtypes and values: on the
+    CPU where the sender's were, else on `comm.device`; replica 0 gets its own `state`
+    back.
     """
+    # The tensors in the order of traversal, the same on the sender and the receivers.
     tensors: list[torch.Tensor] = []
-    skeleton = _strip(state, tensors) if comm.rank == 0 else None
-    skeleton = comm.broadcast_object(skeleton)
+
+    def strip(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        tensors.append(leaf.detach())
+        return _TensorSlot(tuple(leaf.shape), leaf.dtype, leaf.device.type != "cpu")
+
+    def allocate(leaf: Any) -> Any:
+        if not isinstance(leaf, _TensorSlot):
+            return leaf
+        tensor = torch.empty(leaf.shape, dtype=leaf.dtype,
+                             device=comm.device if leaf.on_accelerator else "cpu")
+        tensors.append(tensor)
+        return tensor
+
+    skeleton = comm.broadcast_object(nest.map_structure(strip, state)
+                                     if comm.rank == 0 else None)
     if comm.rank != 0:
-        state = _allocate(skeleton, tensors, comm.device)
+        state = nest.map_structure(allocate, skeleton)
     comm.broadcast_(tensors, src=0)
     return state

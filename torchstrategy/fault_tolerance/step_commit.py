@@ -47,6 +47,12 @@ ABORT = "abort"
 _LEAVING = 1 << 32
 
 
+def joiners_key(prefix: str) -> str:
+    """The store counter of the processes that asked to join the job whose live-recovery
+    keys start with `prefix` (each request adds 1: its ticket)."""
+    return f"{prefix}joiners"
+
+
 class StepCommit:
     """The votes of one generation's members (`uids`, this replica being `uid`), under
     `prefix` in `store`. ``decide(step, ran)`` is called by every member once per
@@ -56,7 +62,7 @@ class StepCommit:
                  heartbeat_prefix: str, dead_after: float) -> None:
         self._store = store
         # The count of joiners that asked to be admitted (`LiveRecovery`'s join).
-        self._joiners = f"{heartbeat_prefix}joiners"
+        self._joiners = joiners_key(heartbeat_prefix)
         self._prefix = prefix
         self._size = len(uids)
         self._watch = LivenessWatch(store, heartbeat_prefix, uids, dead_after)
