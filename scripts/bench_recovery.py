@@ -28,10 +28,11 @@ variables, rank 0 serving the rendezvous store) that train an MLP whose training
    commit, the state broadcast by replica 0), and its parts: the import, the strategy and
    model, the admission (``LiveRecovery(join=...)`` until it returns: the wait for the
    members' next commit, the new group, and the state from replica 0, itself split into
-   the tensors' ``broadcast_`` (parameters, buffers and the optimizer state's tensors) and
-   ``broadcast_object`` (the optimizer state's structure, the counters); timed by
-   wrapping those methods in the joiner) and the first step; and how long replica 0 paused
-   for the admission (its ``_admit``).
+   the parameters and buffers (``broadcast_``) with the counters (``broadcast_object``),
+   and the optimizer state (``broadcast_state``: its structure by ``broadcast_object``, its
+   tensors by ``broadcast_``), with the totals of ``broadcast_`` and ``broadcast_object``;
+   timed by wrapping those functions in the joiner) and the first step; and how long
+   replica 0 paused for the admission (its ``_admit``).
 4. **Restart, for comparison.** The path of today (issue 34): ``replicas - 1`` fresh
    processes start, import torch and torchstrategy, form their group, build the model,
    load the state from a local file (saved by replica 0 at the end of phase 2) and run one
@@ -77,10 +78,10 @@ def _model(state_mb: float) -> torch.nn.Sequential:
                                torch.nn.Linear(width, width))
 
 
-def _timed(cls: type, name: str, into: dict[str, float]) -> None:
-    """Wraps ``cls.name`` (in this process) to add each call's seconds to ``into[name]``
+def _timed(owner: object, name: str, into: dict[str, float]) -> None:
+    """Wraps ``owner.name`` (a class's method or a module's function, in this process) to add each call's seconds to ``into[name]``
     and to note the wall time its first call started in ``into[name + "_first_at"]``."""
-    method = getattr(cls, name)
+    method = getattr(owner, name)
 
     def timed(*args: object, **kwargs: object) -> object:
         into.setdefault(f"{name}_first_at", time.time())
@@ -90,7 +91,7 @@ def _timed(cls: type, name: str, into: dict[str, float]) -> None:
         finally:
             into[name] = into.get(name, 0.0) + time.perf_counter() - start
 
-    setattr(cls, name, timed)
+    setattr(owner, name, timed)
 
 
 def _worker(config: dict) -> None:
@@ -99,17 +100,20 @@ def _worker(config: dict) -> None:
     from torchstrategy.collectives.communicator import Communicator
     from torchstrategy.fault_tolerance.live_recovery import LiveRecovery
 
-    from torchstrategy.fault_tolerance import step_commit
+    from torchstrategy.fault_tolerance import live_recovery, step_commit
 
     imported_at = time.time()   # torch (the script's own import) and torchstrategy
     joining = config.get("join") is not None
     # The admission's parts, timed around LiveRecovery's own steps (a joiner's: the wait for
     # the note of a commit, the new group, the state from replica 0 and, within it, the
-    # parameters' broadcast and the optimizer state's; replica 0's: its `_admit`).
+    # optimizer state's `broadcast_state` (as `_share_state` looks it up) and every
+    # `broadcast_` and `broadcast_object`, those within broadcast_state included;
+    # replica 0's: its `_admit`).
     parts: dict[str, float] = {}
     if joining:
         for name in ("_wait_for_admission", "_regroup", "_share_state"):
             _timed(LiveRecovery, name, parts)
+        _timed(live_recovery, "broadcast_state", parts)
         for name in ("broadcast_", "broadcast_object"):
             _timed(Communicator, name, parts)
     elif not config["restart"]:
@@ -372,12 +376,14 @@ def main() -> None:
           f", strategy + model {joined['built_at'] - joined['imported_at']:.2f} s, "
           f"admission {admission:.2f} s (LiveRecovery(join=...) to its return), first step "
           f"{joined['first_step_at'] - joined['admitted_at']:.2f} s")
+    optimizer_state = parts.get("broadcast_state", 0.0)
     print(f"  admission: waiting for a commit {admission - transfer:.2f} s, new group "
           f"{parts['_regroup']:.2f} s, state from replica 0 {parts['_share_state']:.2f} s "
-          f"(tensors: parameters, buffers, optimizer state, broadcast_: "
-          f"{parts.get('broadcast_', 0.0):.2f} s; the optimizer state's structure and the "
-          f"counters, broadcast_object: "
-          f"{parts.get('broadcast_object', 0.0):.2f} s); replica 0 paused "
+          f"(the parameters, buffers (broadcast_) and counters (broadcast_object) "
+          f"{parts['_share_state'] - optimizer_state:.2f} s, the optimizer state "
+          f"(broadcast_state: its structure by broadcast_object, its tensors by broadcast_) "
+          f"{optimizer_state:.2f} s; in all, broadcast_ {parts.get('broadcast_', 0.0):.2f} s, "
+          f"broadcast_object {parts.get('broadcast_object', 0.0):.2f} s); replica 0 paused "
           f"{live['admit_seconds']:.2f} s for it (its _admit)")
     restart_config = dict(config, restart=True, out=os.path.join(directory, "restart.json"))
     started = time.time()
