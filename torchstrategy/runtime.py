@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torchstrategy import _compat
 from torchstrategy.cluster_resolver import detect
 from torchstrategy.cluster_resolver.base import ClusterResolver
-from torchstrategy.launch import network, reexec, rendezvous
+from torchstrategy.launch import network, reexec, rendezvous, sockets
 from torchstrategy.launch import world as world_lib
 
 logger = logging.getLogger("torchstrategy")
@@ -79,6 +79,8 @@ class Runtime:
         self._shut_down = False
         self._announced = False       # announce_finished ran
         self._store: dist.Store | None = None  # the store our process group was made with
+        # The sockets making our default process group opened (see `group_sockets`).
+        self._group_sockets: frozenset[str] = frozenset()
 
     # -- the world ------------------------------------------------------------------
     @property
@@ -181,6 +183,7 @@ class Runtime:
         if store is not None and world.num_nodes > 1:
             advertised = network.exchange_addresses(store, world.rank, world.node_rank,
                                                     world.world_size, timeout_seconds)
+        before = sockets.socket_inodes()
         try:
             if store is None:
                 dist.init_process_group(backend, init_method="env://", timeout=timeout)
@@ -188,6 +191,7 @@ class Runtime:
                 dist.init_process_group(backend, store=store, rank=world.rank,
                                         world_size=world.world_size, timeout=timeout)
                 self._store = store
+            self._group_sockets = sockets.opened_since(before, world.master_port or None)
         except (RuntimeError, OSError) as error:  # gloo / TCPStore's DistError included
             if world.num_nodes <= 1:
                 raise
@@ -205,6 +209,7 @@ class Runtime:
         with this one fail at once instead of at its timeout. Idempotent."""
         for reducer in list(self._reducers):
             reducer.close()
+        self._group_sockets = frozenset()
         if dist.is_initialized():
             _compat.release_group_from_functional_defaults(_compat.default_process_group())
             dist.destroy_process_group()
@@ -228,10 +233,22 @@ class Runtime:
             self._register_exit_handler()
             self._world = world
             world_lib.publish_environment(world)
+        before = sockets.socket_inodes()
         dist.init_process_group(backend, store=store, rank=world.rank,
                                 world_size=world.world_size,
                                 timeout=datetime.timedelta(seconds=timeout_seconds))
+        self._group_sockets = sockets.opened_since(before, world.master_port or None)
         self._store = store
+
+    def group_sockets(self) -> frozenset[str]:
+        """The TCP sockets (inodes, `launch.sockets`) that making the default process group
+        opened: its backend's connections to the other replicas and its listener, not the
+        rendezvous store's (its port excluded: on replica 0 the store's server accepts
+        other replicas' connections at any time, and those outlive the group). Empty for a group made by someone else, before any
+        group, after it was abandoned, and where sockets cannot be listed (not Linux).
+        Breaking them (`sockets.shut_down`) makes a collective blocked on an unreachable
+        replica fail at once instead of at its timeout."""
+        return self._group_sockets
 
     def rendezvous_store(self) -> dist.Store | None:
         """The store for torchstrategy's own keys about this world (roll calls, the end of
@@ -254,6 +271,7 @@ class Runtime:
         self.wait_until_released()
         for reducer in list(self._reducers):
             reducer.close()
+        self._group_sockets = frozenset()
         if dist.is_initialized():
             # Objects the program dropped that sit in reference cycles (a strategy and its
             # extended, their reducer, a pending Work) would be freed only by the cycle
@@ -266,6 +284,7 @@ class Runtime:
             dist.destroy_process_group()
             self._report_surviving_groups(groups)
         self._store = None
+        self._group_sockets = frozenset()
 
     @staticmethod
     def _report_surviving_groups(groups: list[dist.ProcessGroup]) -> None:

@@ -291,6 +291,76 @@ def test_snapshot_restores_parameters_gradients_optimizer_state_and_random_state
         StepSnapshot({"data": []})
 
 
+def _job_on_two_machines(made, out, config, collective_timeout=60, cut_when_paused=None):
+    """2 machines x 2 replicas of tests/scripts/live_recovery_train.py on `made` (a cluster
+    of network namespaces), replicas 0 and 1 on node0 (which hosts the store), 2 and 3 on
+    node1. With `cut_when_paused` (a rank), node1's link is taken down as soon as that
+    replica pauses (its ``"pause"`` kill). Returns the exit codes, the logs and the
+    seconds from the cut (or the start) to the end of replicas 0 and 1."""
+    node0, node1 = made.nodes
+    os.chmod(out.parent, 0o755)
+    script_path = os.path.join(os.path.dirname(__file__), "..", "scripts",
+                               "live_recovery_train.py")
+    processes = []
+    started = time.monotonic()
+    try:
+        for rank in range(4):
+            node = node0 if rank < 2 else node1
+            env = {k: v for k, v in os.environ.items()
+                   if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                                "GROUP_RANK", "GROUP_WORLD_SIZE",
+                                "TORCHSTRATEGY_LAUNCHER",
+                                "TORCHSTRATEGY_PUBLISHED_WORLD")}
+            env.update(RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(rank % 2),
+                       LOCAL_WORLD_SIZE="2", MASTER_ADDR=node0.address,
+                       MASTER_PORT="29517",
+                       TORCHSTRATEGY_TIMEOUT_SECONDS=str(collective_timeout),
+                       OMP_NUM_THREADS="1")
+            with open(out / f"log{rank}", "w") as log:
+                processes.append(subprocess.Popen(
+                    node.command([sys.executable, script_path, json.dumps(config)]),
+                    env=env, stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + JOB_SECONDS
+        if cut_when_paused is not None:
+            marker = out / f"paused{cut_when_paused}"
+            while not marker.exists() and time.monotonic() < deadline and \
+                    all(p.poll() is None for p in processes):
+                time.sleep(0.02)
+            assert marker.exists(), "replica %d never paused:\n%s" % (
+                cut_when_paused, (out / f"log{cut_when_paused}").read_text()[-2000:])
+            made.cut(node1)
+            started = time.monotonic()
+        for process in processes[:2]:
+            process.wait(max(0.1, deadline - time.monotonic()))
+        ended = time.monotonic() - started
+        for process in processes[2:]:
+            process.wait(max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        ended = None
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+    logs = [(out / f"log{rank}").read_text() for rank in range(4)]
+    return [p.returncode for p in processes], logs, ended
+
+
+def _assert_machine0_finished_alone(out, logs, steps, global_batch, lost_at):
+    result = json.loads((out / "rank0.json").read_text())
+    assert result["replicas_per_step"] == [4] * lost_at + [2] * (steps - lost_at)
+    assert result["tracked"] == steps
+    assert [(r[0], sorted(r[1]), r[2]) for r in result["recoveries"]] == \
+        [(lost_at, [2, 3], 2)], "\n\n".join(log[-2000:] for log in logs)
+    other = json.loads((out / "rank1.json").read_text())
+    for got, mirror, want in zip(result["params"], other["params"],
+                                 _one_device(steps, global_batch)):
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want,
+                                   rtol=0, atol=1e-6)
+        assert got == mirror
+
+
 def test_a_machine_lost_on_a_cluster_of_two_machines(tmp_path):
     """2 machines x 2 replicas on a cluster of network namespaces (tests/helpers/cluster.py:
     each machine its own address, hostname and /etc/hosts): both replicas of machine 1 are
@@ -298,57 +368,46 @@ def test_a_machine_lost_on_a_cluster_of_two_machines(tmp_path):
     replicas regroup between themselves and finish equal to one device. Skipped, with the
     reason, where namespaces cannot be made (not root)."""
     with cluster(2) as made:
-        node0, node1 = made.nodes
         out = tmp_path / "two_machines"
         out.mkdir()
-        os.chmod(tmp_path, 0o755)
-        config = json.dumps({"out": str(out), "steps": 6, "global_batch": 12,
-                             "min_replicas": 2, "kills": [[2, 3, "backward"],
-                                                          [3, 3, "backward"]]})
-        script_path = os.path.join(os.path.dirname(__file__), "..", "scripts",
-                                   "live_recovery_train.py")
-        processes = []
-        try:
-            for rank in range(4):
-                node = node0 if rank < 2 else node1
-                env = {k: v for k, v in os.environ.items()
-                       if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                                    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-                                    "GROUP_RANK", "GROUP_WORLD_SIZE",
-                                    "TORCHSTRATEGY_LAUNCHER",
-                                    "TORCHSTRATEGY_PUBLISHED_WORLD")}
-                env.update(RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(rank % 2),
-                           LOCAL_WORLD_SIZE="2", MASTER_ADDR=node0.address,
-                           MASTER_PORT="29517", TORCHSTRATEGY_TIMEOUT_SECONDS="60",
-                           OMP_NUM_THREADS="1")
-                log = open(out / f"log{rank}", "w")
-                processes.append(subprocess.Popen(
-                    node.command([sys.executable, script_path, config]), env=env,
-                    stdout=log, stderr=subprocess.STDOUT))
-                log.close()
-            deadline = time.monotonic() + JOB_SECONDS
-            for process in processes:
-                try:
-                    process.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    break
-        finally:
-            for process in processes:
-                if process.poll() is None:
-                    process.kill()
-                process.wait()
-        logs = [(out / f"log{rank}").read_text() for rank in range(4)]
-        codes = [p.returncode for p in processes]
+        config = {"out": str(out), "steps": 6, "global_batch": 12, "min_replicas": 2,
+                  "kills": [[2, 3, "backward"], [3, 3, "backward"]]}
+        codes, logs, _ = _job_on_two_machines(made, out, config)
         assert codes[:2] == [0, 0], "\n\n".join(log[-2000:] for log in logs)
-        result = json.loads((out / "rank0.json").read_text())
-        assert result["replicas_per_step"] == [4, 4, 4, 2, 2, 2]
-        assert result["tracked"] == 6
-        assert [(r[0], sorted(r[1]), r[2]) for r in result["recoveries"]] == [(3, [2, 3], 2)]
-        other = json.loads((out / "rank1.json").read_text())
-        for got, mirror, want in zip(result["params"], other["params"], _one_device(6, 12)):
-            torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want,
-                                       rtol=0, atol=1e-6)
-            assert got == mirror
+        _assert_machine0_finished_alone(out, logs, 6, 12, lost_at=3)
+
+
+def test_a_link_taken_down_mid_step_machine0_goes_on_machine1_ends_with_42(tmp_path):
+    """The same 2 x 2 job; in step 3 node1's link is taken down (its switch port: no
+    carrier, no connection closes) while replica 2 is between its forward and its backward
+    and the others wait in the gradient all-reduce, which nothing breaks. Node0's replicas
+    find node1's heartbeats stopped while their step runs long, break their step's
+    connections, regroup between themselves, redo step 3 and finish equal to one device,
+    well before the collective timeout (20 s); node1's replicas cannot reach the store (on
+    node0) and end with 42 and the reason, at the collective timeout, so that a scheduler
+    can restart them."""
+    timeout = 20
+    with cluster(2) as made:
+        out = tmp_path / "link_down"
+        out.mkdir()
+        config = {"out": str(out), "steps": 6, "global_batch": 12, "min_replicas": 2,
+                  "kills": [[2, 3, "pause"]], "pause_seconds": 2}
+        codes, logs, ended = _job_on_two_machines(made, out, config, timeout,
+                                                  cut_when_paused=2)
+        everything = "\n\n".join(f"--- replica {r}\n{log[-2500:]}"
+                                   for r, log in enumerate(logs))
+        assert codes == [0, 0, 42, 42], everything
+        _assert_machine0_finished_alone(out, logs, 6, 12, lost_at=3)
+        # The step overdue (2 s), node1's heartbeats stopped for 2 s, the agreement's 2 s,
+        # a new group and the step redone: before the collective timeout.
+        assert ended is not None and ended < timeout, (ended, everything)
+        print(f"link down: replicas 0 and 1 finished {ended:.1f} s after the cut")
+        assert "replica(s) [2, 3] lost" in logs[0], everything
+        assert "stopped beating while replica" in logs[0] + logs[1], everything
+        for rank in (2, 3):
+            assert "live recovery cannot continue on replica" in logs[rank], everything
+            assert f"the rendezvous store has not answered for {timeout} s" in logs[rank], \
+                everything
 
 
 @pytest.mark.parametrize("where", ["share", "group"])

@@ -9,6 +9,9 @@ and ``kills``:
 ``[[rank, step, where], ...]``, where ``where`` is ``"backward"`` (SIGKILL between the
 forward and the backward: the others wait in the gradient all-reduce) or ``"after_step"``
 (SIGKILL after the optimizer stepped; with a commit every step, after the vote) or
+``"pause"`` (between the forward and the backward, writes ``out/paused<rank>`` and sleeps
+``pause_seconds`` (optional, default 3): the test takes the replica's link down meanwhile)
+or
 ``"before_step"`` (SIGKILL after the backward, before the optimizer step: the
 gradient all-reduce completed everywhere, the others wait for its vote) or
 ``"after_vote"`` (SIGKILL in an optimizer step pre-hook that runs after live recovery's:
@@ -120,6 +123,10 @@ def main(config):
         loss = ts.compute_average_loss(per_example, global_batch_size=g)
         if where == "backward":
             os.kill(os.getpid(), signal.SIGKILL)
+        if where == "pause":
+            with open(os.path.join(config["out"], f"paused{rank}"), "w"):
+                pass
+            time.sleep(config.get("pause_seconds", 3))
         loss.backward()
         if where == "sigterm":     # a termination notice: leave at the next commit
             os.kill(os.getpid(), signal.SIGTERM)

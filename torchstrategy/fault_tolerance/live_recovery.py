@@ -36,16 +36,19 @@ The loop changes in one line: ``strategy.run(step, args=(batch,))`` becomes
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
 import logging
+import os
 import signal
 import socket
+import sys
 import threading
 import time
 import uuid
-from typing import Any, Callable, Mapping, NoReturn, Sequence
+from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,14 +57,14 @@ from torchstrategy import runtime
 from torchstrategy.collectives.communicator import CollectiveError
 from torchstrategy.fault_tolerance import termination
 from torchstrategy.fault_tolerance.batch_split import check_divisible, replica_slice
-from torchstrategy.fault_tolerance.membership import (Heartbeat, StoreLost,
+from torchstrategy.fault_tolerance.membership import (Heartbeat, LivenessWatch, StoreLost,
                                                       agree_on_survivors)
 from torchstrategy.fault_tolerance.state_broadcast import broadcast_state
 from torchstrategy.fault_tolerance.step_commit import (ABORT, COMMIT, COMMIT_AND_ADMIT,
                                                       COMMIT_AND_LEAVE, StepCommit,
                                                       joiners_key)
 from torchstrategy.fault_tolerance.step_snapshot import StepSnapshot, StepStart
-from torchstrategy.launch import rendezvous
+from torchstrategy.launch import rendezvous, sockets
 from torchstrategy.launch import world as world_lib
 from torchstrategy.strategies.base import Strategy
 from torchstrategy.strategies.data_parallel import DataParallelExtended
@@ -116,6 +119,16 @@ def _function_key(fn: Callable[..., Any]) -> str:
     if code is not None:
         return f"{code.co_filename}:{code.co_firstlineno}:{code.co_name}"
     return f"{type(fn).__module__}.{type(fn).__qualname__}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _RunningStep:
+    """A step in progress, as the heartbeat's thread sees it: when it began, the other
+    members it needs, and the sockets of the process group it runs on."""
+
+    began: float
+    others: tuple[int, ...]
+    group_sockets: frozenset[str]
 
 
 class _AdmissionBroken(RuntimeError):
@@ -215,8 +228,12 @@ class LiveRecovery:
         process whose strategy has one replica: it is admitted at the job's next commit,
         receives the parameters, optimizer state, the step and the random state from
         replica 0, and returns from here as one of the job's replicas.
-      exit_fn: called (on each survivor) when recovery is impossible; default
-        ``sys.exit(42)``.
+      exit_fn: called (on each survivor, in the main thread) when recovery is impossible;
+        default ``sys.exit(42)``. A replica cut off from the rendezvous store (no heartbeat
+        answered for the collective timeout: its machine's link or the chief's machine
+        down) ends with ``os._exit(42)`` from the heartbeat's thread instead, after the
+        reason is logged: its main thread may be blocked in a request to the store that
+        TCP abandons only many minutes later.
 
     Raises:
       TypeError: a strategy that does not keep one replica per process in a data-parallel
@@ -315,6 +332,12 @@ class LiveRecovery:
         self.step = 0
         self.recoveries: list[Recovery] = []
         self._heartbeat: Heartbeat | None = None
+        # The step in progress (set by the main thread) and, in the heartbeat's thread, the
+        # watch on the others' heartbeats once it runs long, and the step whose group it
+        # broke (see `_watch_step`).
+        self._running: _RunningStep | None = None
+        self._stall: tuple[_RunningStep, LivenessWatch] | None = None
+        self._broken_step: _RunningStep | None = None
         self._store: dist.Store | None = None
         # Joiners admitted so far (their uids follow the job's first ranks).
         self._admitted = 0
@@ -355,7 +378,8 @@ class LiveRecovery:
             self._store.set(_JOB_KEY, token)
         self._heartbeat = Heartbeat(
             rendezvous.connect(world.master_addr, world.master_port, size, timeout),
-            self._prefix, self._uid)
+            self._prefix, self._uid, unreachable_after=self._timeout,
+            on_unreachable=self._cut_off, on_beat=self._watch_step)
         self._commit = self._new_commit()
         # Registered last: after any hook the optimizer already had (e.g. a strategy's).
         self._hook_handles = [optimizer.register_step_pre_hook(self._before_optimizer_step)
@@ -469,7 +493,8 @@ class LiveRecovery:
             result: Any = None
             self._armed = in_step
             try:
-                result = self._strategy.run(fn, args=(share,))
+                with self._watched():
+                    result = self._strategy.run(fn, args=(share,))
             except _StepAborted:
                 aborted = True
             except Exception as error:
@@ -591,8 +616,8 @@ class LiveRecovery:
             outcome = self._commit.decide(self._commits, ran, leaving,
                                           self._admitted if room > 0 else None, room)
         except (StoreLost, RuntimeError) as error:
-            self._give_up(f"the rendezvous store stopped answering ({error}): the chief, "
-                          "whose machine hosts it, is lost")
+            self._give_up(f"the rendezvous store stopped answering ({error}): the chief's "
+                          "machine, which hosts it, is lost or unreachable from this one")
         self._leaving = leaving
         return outcome
 
@@ -613,7 +638,8 @@ class LiveRecovery:
                 share = replica_slice(global_batch, comm.rank, comm.world_size,
                                       self._global_batch_size)
                 try:
-                    result = self._strategy.run(fn, args=(share,))
+                    with self._watched():
+                        result = self._strategy.run(fn, args=(share,))
                 except Exception as error:
                     if not _lost_replica(error):
                         self._report_error(error)
@@ -787,12 +813,12 @@ class LiveRecovery:
         prefix = f"{self._prefix}gen{generation}/"
         info = json.dumps([self._world.node_rank, socket.gethostname()])
         try:
-            survivors = agree_on_survivors(self._store, prefix, self._uid,
+            survivors = agree_on_survivors(self._store, prefix, self._prefix, self._uid,
                                            expected or self._members, self._dead_after,
                                            noticed + self._recovery_timeout, info)
         except StoreLost as error:
-            self._give_up(f"the rendezvous store stopped answering ({error}): the chief, "
-                          "whose machine hosts it, is lost")
+            self._give_up(f"the rendezvous store stopped answering ({error}): the chief's "
+                          "machine, which hosts it, is lost or unreachable from this one")
         except TimeoutError as error:
             self._give_up(f"the survivors could not agree within "
                           f"{self._recovery_timeout:g} s: {error}")
@@ -880,6 +906,68 @@ class LiveRecovery:
             pass
         self._exit_fn()
         raise RuntimeError(f"torchstrategy: live recovery cannot continue: {reason}")
+
+    @contextlib.contextmanager
+    def _watched(self) -> Iterator[None]:
+        """Marks a step in progress for the heartbeat's thread (`_watch_step`)."""
+        self._running = _RunningStep(time.monotonic(),
+                                     tuple(m for m in self._members if m != self._uid),
+                                     runtime.current().group_sockets())
+        try:
+            yield
+        finally:
+            self._running = None
+
+    def _watch_step(self, store: dist.Store) -> None:
+        """After each heartbeat (in its thread, over its connection `store`): when the step
+        in progress has run for `failure_detection_seconds`, reads the other members'
+        heartbeats, and once one has stopped for that long, shuts down the sockets of the
+        step's process group. A replica that crashed closes its connections, and the
+        others' collective fails at once; one whose link went down (or which froze) closes
+        nothing, and the others would wait in gloo's collective, which nothing interrupts,
+        until the collective timeout. Breaking our own end makes the collective fail now,
+        and the survivors recover as after a crash. A step that is merely slow (its
+        members beating) is left alone."""
+        running = self._running
+        if running is None or not running.others or not running.group_sockets or \
+                time.monotonic() - running.began < self._dead_after or \
+                self._broken_step is running:
+            return
+        if self._stall is None or self._stall[0] is not running:
+            self._stall = (running, LivenessWatch(store, self._prefix, running.others,
+                                                  self._dead_after))
+        dead = self._stall[1].dead()
+        if not dead or self._running is not running:
+            return
+        self._broken_step = running
+        closed = sockets.shut_down(running.group_sockets)
+        logger.warning(f"torchstrategy: live recovery: replica(s) {dead} stopped beating "
+                       f"while replica {self._uid} waited "
+                       f"{time.monotonic() - running.began:.1f} s in step {self.step}; "
+                       f"{closed} connection(s) of the step's group broken to recover now "
+                       f"rather than at the collective timeout ({self._timeout:g} s).")
+
+    def _cut_off(self, silent: float) -> None:
+        """The heartbeat's watch: the store has not answered for `silent` seconds (the
+        collective timeout). Ends the process at once with exit code 42; see `exit_fn`."""
+        if self._ended:
+            return
+        self._ended = True
+        logger.error(f"torchstrategy: live recovery cannot continue on replica {self._uid}: "
+                     f"the rendezvous store has not answered for {silent:.0f} s (the "
+                     "collective timeout): this machine is cut off from the chief's, which "
+                     "hosts it (a link down), or the chief's machine is down; the other "
+                     "replicas go on without this one if they can. Exiting with code "
+                     f"{termination.RESTART_EXIT_CODE} for the scheduler to restart it "
+                     "(BackupAndRestore resumes it).")
+        for handler in [*logger.handlers, *logging.getLogger().handlers]:
+            handler.flush()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed stream: nothing to flush
+                pass
+        os._exit(termination.RESTART_EXIT_CODE)
 
     def _close(self) -> None:
         """Stops the heartbeat and gives the signals their handlers back; this replica takes

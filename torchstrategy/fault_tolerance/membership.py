@@ -35,26 +35,56 @@ def _counter_key(prefix: str, uid: int) -> str:
 class Heartbeat:
     """A daemon thread raising this replica's counter every `interval` seconds over
     `store` (a connection no other thread uses). `stop()` ends it; a store that stops
-    answering ends it too, and `lost` is then set."""
+    answering ends it too, and `lost` is then set.
+
+    A store whose machine became unreachable (its link down) does not answer and does not
+    fail either: torch's client waits for the reply until TCP gives up, many minutes later.
+    With `unreachable_after`, a second daemon thread calls `on_unreachable(seconds)` once
+    no beat has been answered for that long (and sets `lost`): the replica is cut off from
+    the job, whose other replicas take it for lost at that point at the latest.
+
+    With `on_beat`, each answered beat is followed by ``on_beat(store)`` in the heartbeat's
+    thread, over its connection (for reading the others' counters: see `LivenessWatch`); a
+    store error it raises ends the heartbeat as a failed beat does.
+    """
 
     def __init__(self, store: dist.Store, prefix: str, uid: int,
-                 interval: float = 0.2) -> None:
+                 interval: float = 0.2, unreachable_after: float | None = None,
+                 on_unreachable: Callable[[float], None] | None = None,
+                 on_beat: Callable[[dist.Store], None] | None = None) -> None:
         self._store = store
+        self._on_beat = on_beat
         self._key = _counter_key(prefix, uid)
         self._interval = interval
         self._stopped = threading.Event()
         self.lost = threading.Event()
         store.add(self._key, 1)
+        self._answered = time.monotonic()
         self._thread = threading.Thread(target=self._beat, daemon=True,
                                         name=f"torchstrategy-heartbeat-{uid}")
         self._thread.start()
+        if unreachable_after is not None and on_unreachable is not None:
+            threading.Thread(target=self._watch, args=(unreachable_after, on_unreachable),
+                             daemon=True, name=f"torchstrategy-heartbeat-watch-{uid}").start()
 
     def _beat(self) -> None:
         while not self._stopped.wait(self._interval):
             try:
                 self._store.add(self._key, 1)
+                self._answered = time.monotonic()
+                if self._on_beat is not None:
+                    self._on_beat(self._store)
             except Exception:  # the store's host is gone: the main thread will find out
                 self.lost.set()
+                return
+
+    def _watch(self, unreachable_after: float,
+               on_unreachable: Callable[[float], None]) -> None:
+        while not self._stopped.wait(self._interval):
+            silent = time.monotonic() - self._answered
+            if silent >= unreachable_after and not self._stopped.is_set():
+                self.lost.set()
+                on_unreachable(silent)
                 return
 
     def stop(self) -> None:
@@ -95,16 +125,19 @@ class LivenessWatch:
         return found
 
 
-def agree_on_survivors(store: dist.Store, prefix: str, uid: int, members: Sequence[int],
-                       dead_after: float, deadline: float,
+def agree_on_survivors(store: dist.Store, prefix: str, heartbeat_prefix: str, uid: int,
+                       members: Sequence[int], dead_after: float, deadline: float,
                        info: str = "") -> list[int]:
-    """Registers `uid` as alive under `prefix` and returns the survivors of `members`
-    (sorted uids) every survivor agrees on.
+    """Registers `uid` as alive under `prefix` (the generation's) and returns the survivors
+    of `members` (sorted uids) every survivor agrees on.
 
-    Waits until each of `members` has registered or its heartbeat stopped for
-    `dead_after` seconds, then proposes the registered ones; the first proposal written
-    (``compare_set``) is the answer on every replica. `info` is stored beside the
-    registration (the machine's name, for messages).
+    Waits until each of `members` has registered or its heartbeat (the counter a
+    `Heartbeat` raises under `heartbeat_prefix`) stopped for `dead_after` seconds, then
+    proposes the registered ones; the first proposal written (``compare_set``) is the
+    answer on every replica. A member whose heartbeat still moves is waited for (until
+    `deadline`), never counted as lost: a survivor that is slow to notice the failure is
+    not dropped. `info` is stored beside the registration (the machine's name, for
+    messages).
 
     Raises:
       StoreLost: the store stopped answering.
@@ -114,7 +147,7 @@ def agree_on_survivors(store: dist.Store, prefix: str, uid: int, members: Sequen
     registered = f"{prefix}alive/"
     try:
         store.set(f"{registered}{uid}", info or "alive")
-        watch = LivenessWatch(store, prefix, members, dead_after)
+        watch = LivenessWatch(store, heartbeat_prefix, members, dead_after)
         decided = f"{prefix}survivors"
         while True:
             if store.check([decided]):
