@@ -909,10 +909,14 @@ class LiveRecovery:
 
     @contextlib.contextmanager
     def _watched(self) -> Iterator[None]:
-        """Marks a step in progress for the heartbeat's thread (`_watch_step`)."""
+        """Marks a step in progress for the heartbeat's thread (`_watch_step`). Only a gloo
+        group's sockets are ever broken: NCCL's are its bootstrap's and its proxy's, whose
+        loss may abort the process, and NCCL's own watchdog ends a stalled collective."""
+        gloo = self._extended.communicator.backend == "gloo"
         self._running = _RunningStep(time.monotonic(),
                                      tuple(m for m in self._members if m != self._uid),
-                                     runtime.current().group_sockets())
+                                     runtime.current().group_sockets() if gloo
+                                     else frozenset())
         try:
             yield
         finally:
