@@ -7,8 +7,9 @@ variables, rank 0 serving the rendezvous store) that train an MLP whose training
 
 1. **Per-step cost.** In the same processes, ``--rounds`` x ``--block`` iterations each run
    one step of each kind, in an order that rotates: ``strategy.run(step, args=(share,))``,
-   ``recovery.run(step, global_batch)`` (a commit every step) and the same with
-   ``commit_every=--commit-every``; the median step time of each, its spread
+   ``recovery.run(step, global_batch)`` (a commit every step), the same with
+   ``commit_every=--commit-every`` and the same with ``vote_every=--vote-every`` (a
+   vote every that many steps, the others applied with no store request); the median step time of each, its spread
    (interquartile range) and the overhead in percent are printed, twice: median over
    median, and paired (the median, and IQR, of each step's ratio to the ``strategy.run``
    step of the same iteration, which ran under the same load). With a commit
@@ -153,6 +154,10 @@ def _worker(config: dict) -> None:
                            global_batch_size=g, min_replicas=1,
                            commit_every=config["commit_every"]) \
         if not config["restart"] and not joining else None
+    sparse = LiveRecovery(strategy, {"model": model, "optimizer": optimizer},
+                          global_batch_size=g, min_replicas=1,
+                          vote_every=config["vote_every"]) \
+        if not config["restart"] and not joining else None
     recovery = LiveRecovery(strategy, {"model": model, "optimizer": optimizer},
                             global_batch_size=g, min_replicas=1,
                             failure_detection_seconds=config["detection"],
@@ -183,16 +188,16 @@ def _worker(config: dict) -> None:
         for _ in range(2 if joining else 0):   # the members' steps after the admission
             recovery.run(step, batches[0])
         return
-    times: dict[str, list[float]] = {"plain": [], "live": [], "every_k": []}
+    times: dict[str, list[float]] = {"plain": [], "live": [], "every_k": [], "sparse": []}
     live_votes: list[float] = []
-    paired: dict[str, list[float]] = {"live": [], "every_k": []}
+    paired: dict[str, list[float]] = {"live": [], "every_k": [], "sparse": []}
     comm = strategy.extended.communicator
     kinds = list(times)
-    assert every_k is not None
+    assert every_k is not None and sparse is not None
     for index in range(config["rounds"] * config["block"]):
-        # One step of each kind per iteration, the order rotating: the three steps of an
+        # One step of each kind per iteration, the order rotating: the steps of an
         # iteration see the same load, and their ratios pair them.
-        order = kinds[index % 3:] + kinds[:index % 3]
+        order = kinds[index % len(kinds):] + kinds[:index % len(kinds)]
         x = batches[index % len(batches)]
         taken = {}
         for kind in order:
@@ -205,8 +210,10 @@ def _worker(config: dict) -> None:
                 votes_before = len(vote_seconds)
                 recovery.run(step, x)
                 live_votes.extend(vote_seconds[votes_before:])
-            else:
+            elif kind == "every_k":
                 every_k.run(step, x)
+            else:
+                sparse.run(step, x)
             taken[kind] = time.perf_counter() - start
         if index >= 3:   # the first iterations warm up (allocations, the probe step)
             for kind in kinds:
@@ -287,7 +294,9 @@ def _print_cost(args: argparse.Namespace, live: dict) -> None:
           f"{plain[2] * 1e3:.2f})")
     for kind, name in (("live", "recovery.run, commit every step (vote in the step)"),
                        ("every_k", f"recovery.run, commit_every={args.commit_every} "
-                                   "(full copy)")):
+                                   "(full copy)"),
+                       ("sparse", f"recovery.run, vote_every={args.vote_every} (no copy, "
+                                  "a vote every that many steps)")):
         q = _quartiles(live["times"][kind])
         ratios = _quartiles(live["paired"][kind])
         print(f"step, {name}: median {q[1] * 1e3:.2f} ms (IQR {q[0] * 1e3:.2f}-"
@@ -310,6 +319,7 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=10)
     parser.add_argument("--detection", type=float, default=2.0)
     parser.add_argument("--commit-every", type=int, default=10)
+    parser.add_argument("--vote-every", type=int, default=10)
     parser.add_argument("--cost-only", action="store_true",
                         help="measure the per-step cost only (no loss, joiner, restart)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -320,7 +330,8 @@ def main() -> None:
     directory = tempfile.mkdtemp(prefix="bench_recovery_")
     config = {"state_mb": args.state_mb, "global_batch": args.global_batch,
               "rounds": args.rounds, "block": args.block, "detection": args.detection,
-              "commit_every": args.commit_every, "replicas": args.replicas,
+              "commit_every": args.commit_every, "vote_every": args.vote_every,
+              "replicas": args.replicas,
               "victim": args.replicas - 1, "restart": False, "cost_only": args.cost_only,
               "kill_file": os.path.join(directory, "killed_at"),
               "state_file": os.path.join(directory, "state.pt"),

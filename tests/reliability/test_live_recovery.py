@@ -21,7 +21,9 @@ import pytest
 import torch
 
 from tests.helpers.cluster import cluster
+import torchstrategy as ts
 from tests.scripts import live_recovery_train as script
+from torchstrategy.fault_tolerance.live_recovery import LiveRecovery
 from torchstrategy.fault_tolerance.batch_split import check_divisible, replica_slice
 from torchstrategy.fault_tolerance.step_snapshot import StepSnapshot
 
@@ -37,13 +39,13 @@ def _free_port():
 def _start_job(context, out, replicas, kills, min_replicas, steps, global_batch=6,
                commit_every=1, joiners=0, max_replicas=None, reduce_after_steps=(),
                decay_steps=(), hold_for_joiners=None, die_during_admission=None,
-               collective_timeout=60):
+               collective_timeout=60, vote_every=1):
     os.makedirs(out, exist_ok=True)
     config = {"out": str(out), "steps": steps, "global_batch": global_batch,
               "min_replicas": min_replicas, "kills": kills, "commit_every": commit_every,
               "max_replicas": max_replicas, "reduce_after_steps": list(reduce_after_steps),
               "decay_steps": list(decay_steps), "hold_for_joiners": hold_for_joiners,
-              "die_during_admission": die_during_admission}
+              "die_during_admission": die_during_admission, "vote_every": vote_every}
     port = _free_port()
     processes = []
     for joiner in range(joiners):
@@ -152,6 +154,9 @@ def jobs(tmp_path_factory):
         [[3, 1, "before_step"], [2, 2, "after_vote"], [1, 4, "after_step"]],
         min_replicas=1, steps=7, global_batch=12, reduce_after_steps=[4],
         decay_steps=[4, 5, 6]))}))
+    outcome.update(_finish_jobs({"vote_every": (root / "vote_every", _start_job(
+        context, root / "vote_every", 3, [[1, 4, "break"], [2, 6, "backward"]],
+        min_replicas=1, steps=8, vote_every=3))}))
     return outcome
 
 
@@ -237,6 +242,45 @@ def test_killed_between_vote_and_optimizer_step_or_after_commit_step_applied_onc
     for got, want in zip(result["params"], _one_device(7, 12, decay_steps=(4, 5, 6))):
         torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want,
                                    rtol=0, atol=1e-6)
+
+
+def test_vote_every_3_survivors_one_step_apart_catch_up_and_equal_one_device(jobs):
+    codes, logs, results = jobs["vote_every"]
+    everything = "\n\n".join(f"--- replica {r}\n{log[-2500:]}" for r, log in enumerate(logs))
+    # 3 replicas voting every 3rd step. In step 4 (no vote) replica 1's step fails after
+    # the gradient all-reduce completed everywhere: replicas 0 and 2 apply it and fail in
+    # step 5's all-reduce. All three regroup; replica 1, one step behind, takes replica 0's
+    # state instead of redoing step 4; step 5 is redone by 3. Replica 2 is SIGKILLed mid-step
+    # 6: replicas 0 and 1 redo it by 2.
+    assert codes == [0, 0, -9], everything
+    assert "replica(s) [1] had not applied step 4, which replica 0 had" in logs[0], everything
+    for rank in (0, 1):
+        result = results[rank]
+        assert result["tracked"] == 8, everything
+        # Replica 1 took replica 0's step counters: its recoveries read the same.
+        assert [(r[0], r[1], r[2]) for r in result["recoveries"]] == \
+            [(5, [], 3), (6, [2], 2)], everything
+        # Replica 1's step 4 returned None and its loop went on with step 5.
+        assert result["replicas_per_step"] == [3] * 6 + [2, 2]
+        # The votes cast: step 0 (its function's first step votes), steps 2 and 5 (every
+        # 3rd commit), and an abort for each failed step (5, or 4 on replica 1, and 6):
+        # 5, against 10 with a vote in every step.
+        assert result["votes"] == 5, result["votes"]
+    for got, mirror, want in zip(results[0]["params"], results[1]["params"],
+                                 _one_device(8, 6)):
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want,
+                                   rtol=0, atol=1e-6)
+        assert got == mirror
+
+
+def test_vote_every_is_refused_with_commit_every_and_must_be_positive():
+    strategy = ts.MirroredStrategy(["cpu"])
+    model = torch.nn.Linear(2, 1)
+    objects = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+    with pytest.raises(ValueError, match=r"vote_every=2 needs commit_every=1"):
+        LiveRecovery(strategy, objects, global_batch_size=4, commit_every=2, vote_every=2)
+    with pytest.raises(ValueError, match=r"vote_every must be a positive int, got 0"):
+        LiveRecovery(strategy, objects, global_batch_size=4, vote_every=0)
 
 
 def test_chief_lost_ends_survivor_with_42(jobs):

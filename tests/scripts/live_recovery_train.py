@@ -9,6 +9,9 @@ and ``kills``:
 ``[[rank, step, where], ...]``, where ``where`` is ``"backward"`` (SIGKILL between the
 forward and the backward: the others wait in the gradient all-reduce) or ``"after_step"``
 (SIGKILL after the optimizer stepped; with a commit every step, after the vote) or
+``"break"`` (in an optimizer step pre-hook that runs before live recovery's, after the
+gradient all-reduce completed everywhere: raises the error of a broken connection, as if
+this replica's all-reduce had failed while the others' completed; the replica lives on) or
 ``"pause"`` (between the forward and the backward, writes ``out/paused<rank>`` and sleeps
 ``pause_seconds`` (optional, default 3): the test takes the replica's link down meanwhile)
 or
@@ -25,12 +28,13 @@ it votes after that function's steps); ``hold_for_joiners`` (optional, ``[step, 
 the job's replicas wait before that step until `count` joiners wait for admission (so
 that the step's commit admits them, whatever the joiners' start-up time: with step 0,
 before any commit could admit one); ``die_during_admission`` (optional, for a joiner):
-``"share"`` or ``"group"``, where it is SIGKILLed (see `_die_during_admission`). Each
+``"share"`` or ``"group"``, where it is SIGKILLed (see `_die_during_admission`);
+``vote_every`` (optional, default 1), LiveRecovery's. Each
 step also runs a
 BatchNorm (``tracker``, given to LiveRecovery, not part of the model's output) whose
 ``num_batches_tracked`` counts the forward passes a replica kept: a step undone and
 redone must count once. Each surviving replica writes ``out/rank<R>.json``: its final fp64
-parameters, the recoveries, the step count, the tracker's count.
+parameters, the recoveries, the step count, the tracker's count, the votes it cast.
 """
 import json
 import os
@@ -43,6 +47,7 @@ import torch
 import torchstrategy as ts
 from torchstrategy import runtime
 from torchstrategy.fault_tolerance.live_recovery import LiveRecovery
+from torchstrategy.fault_tolerance.step_commit import StepCommit
 
 
 def data(steps, global_batch):
@@ -91,17 +96,38 @@ def main(config):
     # is averaged over the replicas after each step, a collective after the optimizer step
     # that would move where the tests' kills break a step).
     tracker = torch.nn.BatchNorm1d(4, affine=False).double()
+    kills = {(r, s): where for r, s, where in config["kills"]}
+    steps_run = [0]
+    first_rank = int(os.environ.get("RANK", -1))   # RANK changes when the replicas regroup
+
+    def break_before_vote(optimizer, args, kwargs):
+        # Registered before LiveRecovery's pre-hook, after the strategy's (the gradients
+        # are summed everywhere): this replica's step fails, the others' completes.
+        if kills.get((first_rank, steps_run[0])) == "break":
+            kills.pop((first_rank, steps_run[0]))
+            raise RuntimeError("Connection closed by peer (simulated: this replica's "
+                               "all-reduce broke after the others' completed)")
+
+    optimizer.register_step_pre_hook(break_before_vote)
+    votes = [0]
+    decide = StepCommit.decide
+
+    def counted(commit, *args, **kwargs):
+        votes[0] += 1
+        return decide(commit, *args, **kwargs)
+
+    StepCommit.decide = counted
     recovery = LiveRecovery(strategy, {"model": model, "optimizer": optimizer,
                                        "tracker": tracker},
                             global_batch_size=config["global_batch"],
                             min_replicas=config["min_replicas"],
                             failure_detection_seconds=2.0, recovery_timeout_seconds=30.0,
                             commit_every=config.get("commit_every", 1),
+                            vote_every=config.get("vote_every", 1),
                             leave_on_signals=(signal.SIGTERM,),
                             max_replicas=config.get("max_replicas"),
                             join=tuple(config["join"]) if config.get("join") else None)
     rank = recovery.uid
-    kills = {(r, s): where for r, s, where in config["kills"]}
     x, y = data(config["steps"], config["global_batch"])
     g = config["global_batch"]
     replicas_per_step = []
@@ -153,6 +179,7 @@ def main(config):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no {hold_count} joiner(s) asked to join in 60 s")
                 time.sleep(0.02)
+        steps_run[0] = s
         recovery.run(decayed_step if s in decay_steps else train_step,
                      (x[s * g:(s + 1) * g], y[s * g:(s + 1) * g]))
         replicas_per_step.append(recovery.num_replicas)
@@ -161,7 +188,8 @@ def main(config):
               "steps": recovery.step, "replicas_per_step": replicas_per_step,
               "tracked": int(tracker.num_batches_tracked),
               "recoveries": [[r.step, list(r.lost), r.replicas, r.seconds, r.planned]
-                             for r in recovery.recoveries]}
+                             for r in recovery.recoveries],
+              "votes": votes[0]}
     with open(os.path.join(config["out"], f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
 

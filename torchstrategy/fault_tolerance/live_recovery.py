@@ -215,6 +215,15 @@ class LiveRecovery:
         ``no_sync()`` needs k = the micro-batches per optimizer step (the accumulated
         gradients of a lost replica are lost with it; redoing the micro-batches since the
         last optimizer step restores them).
+      vote_every: with ``commit_every=1``, the steps per vote (default 1: a vote in every
+        step). With n > 1 only every n-th step votes (joiners are admitted and departures
+        carried out there); in the others a replica whose gradient all-reduce completed
+        applies the step at once, with no request to the store. A loss in such a step can
+        leave survivors one step apart (some completed the all-reduce before the loss, some
+        did not): once regrouped, those behind receive the state of one ahead (as a joiner
+        does) instead of redoing the step, so that every survivor has applied it once. The
+        vote's cost per step is divided by n; a termination notice or a joiner waits up to n
+        steps. Needs ``commit_every=1``.
       leave_on_signals: signals (e.g. ``(signal.SIGTERM,)``: a spot notice, the preemption
         of one node) on which this replica leaves the job at the next commit while the
         others go on (a planned departure: nothing is redone); it then exits with 0. Where
@@ -249,6 +258,7 @@ class LiveRecovery:
                  global_batch_size: int, min_replicas: int = 1,
                  failure_detection_seconds: float = 2.0,
                  recovery_timeout_seconds: float = 60.0, commit_every: int = 1,
+                 vote_every: int = 1,
                  leave_on_signals: Sequence[int] = (), max_replicas: int | None = None,
                  join: tuple[str, int] | None = None,
                  exit_fn: Callable[[], Any] | None = None) -> None:
@@ -304,6 +314,13 @@ class LiveRecovery:
                 commit_every < 1:
             raise ValueError(f"commit_every must be a positive int, got {commit_every!r}.")
         self._commit_every = commit_every
+        if isinstance(vote_every, bool) or not isinstance(vote_every, int) or vote_every < 1:
+            raise ValueError(f"vote_every must be a positive int, got {vote_every!r}.")
+        if vote_every > 1 and commit_every != 1:
+            raise ValueError(f"vote_every={vote_every} needs commit_every=1 (with "
+                             f"commit_every={commit_every} the replicas vote every "
+                             f"{commit_every} steps already); pass one of them.")
+        self._vote_every = vote_every
         # Step function -> how its steps commit (_VOTE_IN_STEP or _VOTE_AFTER_STEP), found
         # by its first step; the same on every replica (a joiner receives them).
         self._verdicts: dict[str, str] = {}
@@ -530,8 +547,13 @@ class LiveRecovery:
                 self._snapshot.restore()
             else:
                 self._step_start.restore()
+            attempted = self._committed
             self.step = self._committed
             self._regroup(failure)
+            if self._committed > attempted:
+                # Another survivor had applied this step: its state was received instead.
+                self._window = []
+                return None
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any,
                                kwargs: Any) -> None:
@@ -544,7 +566,13 @@ class LiveRecovery:
             if self._probing and self._snapshot.parameters_changed():
                 self._cannot_vote_in_step = "it changes parameters before its first " \
                                             "optimizer step"
-            self._outcome = self._vote(ran=True)
+            if self._probing or (self._commits + 1) % self._vote_every == 0:
+                self._outcome = self._vote(ran=True)
+            else:
+                # This replica's all-reduce completed: it applies the step; a survivor
+                # whose all-reduce did not is brought to this state after a loss
+                # (`_catch_up`).
+                self._outcome = COMMIT
             if self._outcome == ABORT:
                 raise _StepAborted()
             if self._probing:   # the gradients the vote was cast on (a copy, once)
@@ -750,26 +778,53 @@ class LiveRecovery:
                           "replica or another joiner died meanwhile, and the members go on "
                           "without this admission's joiners; start it again to ask anew")
 
-    def _share_state(self) -> None:
-        """Replica 0's parameters, buffers, optimizer state, step counters and random state
-        on every replica of the new group (a collective: after an admission)."""
+    def _catch_up(self) -> None:
+        """After a loss with ``vote_every`` > 1 (a collective of the new group): the
+        survivors compare the steps they applied; where they differ (by one step: a step's
+        all-reduce completed on some before the loss), those behind receive the state of
+        the first one ahead (`_share_state`) and take its step counters, keeping their own
+        random state."""
+        comm = self._extended.communicator
+        applied = comm.gather_objects(self._committed)
+        ahead = max(applied)
+        if min(applied) == ahead:
+            return
+        source = applied.index(ahead)
+        if comm.rank == 0:
+            behind = [self._members[r] for r, n in enumerate(applied) if n < ahead]
+            logger.warning(f"torchstrategy: live recovery: replica(s) {behind} had not "
+                           f"applied step {ahead - 1}, which replica "
+                           f"{self._members[source]} had (its all-reduce completed before "
+                           "the loss): they take its state instead of redoing the step.")
+        self._share_state(source, adopt=self._committed < ahead, adopt_random_state=False)
+
+    def _share_state(self, src: int = 0, adopt: bool | None = None,
+                     adopt_random_state: bool = True) -> None:
+        """Replica `src`'s parameters, buffers, optimizer state, step counters and random
+        state on every replica of the new group (a collective: after an admission, or to
+        catch up after a loss). The counters (and, with `adopt_random_state`, the random
+        state) are taken where `adopt` (default: by the joiners just admitted)."""
         comm = self._extended.communicator
         tensors: list[torch.Tensor] = [t for m in self._modules
                                        for t in [*m.parameters(), *m.buffers()]]
         with torch.no_grad():
-            comm.broadcast_(tensors, src=0)
+            comm.broadcast_(tensors, src=src)
         for optimizer in self._optimizers:
-            state = broadcast_state(comm, optimizer.state_dict() if comm.rank == 0 else None)
-            if comm.rank != 0:
+            state = broadcast_state(comm, optimizer.state_dict() if comm.rank == src
+                                    else None, src=src)
+            if comm.rank != src:
                 optimizer.load_state_dict(state)
         counters = comm.broadcast_object(
             (self._committed, self._commits, torch.get_rng_state(), self._verdicts)
-            if comm.rank == 0 else None)
-        if self._uid in self._joined_now:
+            if comm.rank == src else None, src=src)
+        if adopt is None:
+            adopt = self._uid in self._joined_now
+        if adopt:
             self._committed, self._commits, rng, verdicts = counters
             self._verdicts = dict(verdicts)
             self.step = self._committed
-            torch.set_rng_state(rng)
+            if adopt_random_state:
+                torch.set_rng_state(rng)
         self._joined_now = []
 
     def _on_notice(self, signum: int, frame: Any) -> None:
@@ -856,6 +911,8 @@ class LiveRecovery:
         self._members = survivors
         self._generation = generation
         self._commit = self._new_commit()
+        if self._vote_every > 1 and not joined and not admission:
+            self._catch_up()
         seconds = time.monotonic() - noticed
         if not admission:
             self.recoveries.append(Recovery(self.step, lost, len(survivors), seconds,

@@ -36,14 +36,14 @@ class _TensorSlot:
     on_accelerator: bool
 
 
-def broadcast_state(comm: Communicator, state: Any) -> Any:
-    """Returns replica 0's `state` on every replica of `comm` (a collective; `state` is only
-    read on replica 0, pass None elsewhere).
+def broadcast_state(comm: Communicator, state: Any, src: int = 0) -> Any:
+    """Returns replica `src`'s `state` on every replica of `comm` (a collective; `state` is
+    only read on replica `src`, pass None elsewhere).
 
     `state` is a nested structure (`torchstrategy.nest`: dicts, lists, tuples; an
     optimizer's or a module's ``state_dict()``) whose leaves are tensors or picklable
     values. The receivers get new tensors of the sender's shapes, dtypes and values: on the
-    CPU where the sender's were, else on `comm.device`; replica 0 gets its own `state`
+    CPU where the sender's were, else on `comm.device`; replica `src` gets its own `state`
     back.
     """
     # The tensors in the order of traversal, the same on the sender and the receivers.
@@ -66,8 +66,8 @@ def broadcast_state(comm: Communicator, state: Any) -> Any:
         return tensor
 
     skeleton = comm.broadcast_object(nest.map_structure(strip, state)
-                                     if comm.rank == 0 else None)
-    if comm.rank != 0:
+                                     if comm.rank == src else None, src=src)
+    if comm.rank != src:
         state = nest.map_structure(allocate, skeleton)
-    comm.broadcast_(tensors, src=0)
+    comm.broadcast_(tensors, src=src)
     return state
