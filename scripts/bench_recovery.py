@@ -200,21 +200,23 @@ def _worker(config: dict) -> None:
         order = kinds[index % len(kinds):] + kinds[:index % len(kinds)]
         x = batches[index % len(batches)]
         taken = {}
+        run_length = config["steps_per_timing"]
         for kind in order:
             comm.barrier()
             start = time.perf_counter()
-            if kind == "plain":
-                per = g // comm.world_size
-                strategy.run(step, args=(x[comm.rank * per:(comm.rank + 1) * per],))
-            elif kind == "live":
-                votes_before = len(vote_seconds)
-                recovery.run(step, x)
-                live_votes.extend(vote_seconds[votes_before:])
-            elif kind == "every_k":
-                every_k.run(step, x)
-            else:
-                sparse.run(step, x)
-            taken[kind] = time.perf_counter() - start
+            for _ in range(run_length):
+                if kind == "plain":
+                    per = g // comm.world_size
+                    strategy.run(step, args=(x[comm.rank * per:(comm.rank + 1) * per],))
+                elif kind == "live":
+                    votes_before = len(vote_seconds)
+                    recovery.run(step, x)
+                    live_votes.extend(vote_seconds[votes_before:])
+                elif kind == "every_k":
+                    every_k.run(step, x)
+                else:
+                    sparse.run(step, x)
+            taken[kind] = (time.perf_counter() - start) / run_length
         if index >= 3:   # the first iterations warm up (allocations, the probe step)
             for kind in kinds:
                 times[kind].append(taken[kind])
@@ -288,8 +290,9 @@ def _print_cost(args: argparse.Namespace, live: dict) -> None:
     plain = _quartiles(live["times"]["plain"])
     load = os.getloadavg()
     print(f"{args.replicas} replicas, MLP with {args.state_mb:g} MiB of training state, "
-          f"global batch {args.global_batch}, {args.rounds} rounds of {args.block} steps "
-          f"each, load average {load[0]:.1f} / {load[1]:.1f} (1 / 5 min)")
+          f"global batch {args.global_batch}, {args.rounds} rounds of {args.block} timings "
+          f"of {args.steps_per_timing} step(s) of each kind, load average "
+          f"{load[0]:.1f} / {load[1]:.1f} (1 / 5 min)")
     print(f"step, strategy.run:  median {plain[1] * 1e3:.2f} ms (IQR {plain[0] * 1e3:.2f}-"
           f"{plain[2] * 1e3:.2f})")
     for kind, name in (("live", "recovery.run, commit every step (vote in the step)"),
@@ -320,6 +323,10 @@ def main() -> None:
     parser.add_argument("--detection", type=float, default=2.0)
     parser.add_argument("--commit-every", type=int, default=10)
     parser.add_argument("--vote-every", type=int, default=10)
+    parser.add_argument("--steps-per-timing", type=int, default=1,
+                        help="consecutive steps of one kind per timing (the time printed is "
+                             "per step): 1 pairs single steps; the vote_every value times "
+                             "whole cycles of votes, with no barrier between their steps")
     parser.add_argument("--cost-only", action="store_true",
                         help="measure the per-step cost only (no loss, joiner, restart)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -331,6 +338,7 @@ def main() -> None:
     config = {"state_mb": args.state_mb, "global_batch": args.global_batch,
               "rounds": args.rounds, "block": args.block, "detection": args.detection,
               "commit_every": args.commit_every, "vote_every": args.vote_every,
+              "steps_per_timing": args.steps_per_timing,
               "replicas": args.replicas,
               "victim": args.replicas - 1, "restart": False, "cost_only": args.cost_only,
               "kill_file": os.path.join(directory, "killed_at"),
