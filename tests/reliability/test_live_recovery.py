@@ -8,6 +8,7 @@ WORLD_SIZE, MASTER_ADDR, MASTER_PORT; rank 0 hosts the rendezvous store), runnin
 tests/scripts/live_recovery_train.py. Every process is bounded (a collective timeout of
 60 s, the job killed at 150 s) and killed at the end whatever happened.
 """
+import datetime
 import json
 import multiprocessing
 import os
@@ -19,6 +20,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.helpers.cluster import cluster
 import torchstrategy as ts
@@ -283,6 +285,24 @@ def test_vote_every_is_refused_with_commit_every_and_must_be_positive():
         LiveRecovery(strategy, objects, global_batch_size=4, vote_every=0)
 
 
+def test_a_joiner_with_another_max_replicas_than_the_job_is_refused_before_it_asks():
+    # A job's store as replica 0 leaves it (its token, size and max_replicas published);
+    # the joiner reads the job's bound before it takes a ticket.
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=10))
+    prefix = "torchstrategy/live/abc/"
+    server.set(f"{prefix}size", "2")
+    server.set(f"{prefix}max_replicas", "3")
+    server.set("torchstrategy/live/job", "abc")
+    strategy = ts.MirroredStrategy(["cpu"])
+    model = torch.nn.Linear(2, 1)
+    objects = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+    with pytest.raises(ValueError, match=r"max_replicas=5 differs from the job's \(3\)"):
+        LiveRecovery(strategy, objects, global_batch_size=60, min_replicas=2, max_replicas=5,
+                     join=("127.0.0.1", server.port))
+    assert not server.check([f"{prefix}joiners"])   # it did not ask
+
+
 def test_chief_lost_ends_survivor_with_42(jobs):
     codes, logs, _ = jobs["chief_lost"]
     assert codes == [-signal.SIGKILL, 42], logs[1][-3000:]
@@ -335,27 +355,30 @@ def test_snapshot_restores_parameters_gradients_optimizer_state_and_random_state
         StepSnapshot({"data": []})
 
 
-def _job_on_two_machines(made, out, config, collective_timeout=60, cut_when_paused=None):
+def _job_on_two_machines(made, out, config, collective_timeout=60, cut_when_paused=None,
+                         replacement=False):
     """2 machines x 2 replicas of tests/scripts/live_recovery_train.py on `made` (a cluster
     of network namespaces), replicas 0 and 1 on node0 (which hosts the store), 2 and 3 on
     node1. With `cut_when_paused` (a rank), node1's link is taken down as soon as that
-    replica pauses (its ``"pause"`` kill). Returns the exit codes, the logs and the
-    seconds from the cut (or the start) to the end of replicas 0 and 1."""
+    replica pauses (its ``"pause"`` kill). With `replacement`, once replica 0 waits for a
+    joiner, a fresh process on node1 (the machine replaced) asks to join the job (its log
+    is the fifth). Returns the exit codes, the logs and the seconds from the cut (or the
+    start) to the end of replicas 0 and 1."""
     node0, node1 = made.nodes
     os.chmod(out.parent, 0o755)
     script_path = os.path.join(os.path.dirname(__file__), "..", "scripts",
                                "live_recovery_train.py")
     processes = []
     started = time.monotonic()
+    plain = {k: v for k, v in os.environ.items()
+             if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                          "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                          "GROUP_RANK", "GROUP_WORLD_SIZE", "TORCHSTRATEGY_LAUNCHER",
+                          "TORCHSTRATEGY_PUBLISHED_WORLD")}
     try:
         for rank in range(4):
             node = node0 if rank < 2 else node1
-            env = {k: v for k, v in os.environ.items()
-                   if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-                                "GROUP_RANK", "GROUP_WORLD_SIZE",
-                                "TORCHSTRATEGY_LAUNCHER",
-                                "TORCHSTRATEGY_PUBLISHED_WORLD")}
+            env = dict(plain)
             env.update(RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(rank % 2),
                        LOCAL_WORLD_SIZE="2", MASTER_ADDR=node0.address,
                        MASTER_PORT="29517",
@@ -375,6 +398,19 @@ def _job_on_two_machines(made, out, config, collective_timeout=60, cut_when_paus
                 cut_when_paused, (out / f"log{cut_when_paused}").read_text()[-2000:])
             made.cut(node1)
             started = time.monotonic()
+        if replacement:
+            # Started once replica 0 waits for a joiner (its config's hold_for_joiners):
+            # admitted at that step's commit, whatever its start-up time.
+            while not (out / "holding0").exists() and time.monotonic() < deadline and \
+                    processes[0].poll() is None:
+                time.sleep(0.05)
+            env = dict(plain, TORCHSTRATEGY_TIMEOUT_SECONDS=str(collective_timeout),
+                       OMP_NUM_THREADS="1")
+            joining = dict(config, join=[node0.address, 29517])
+            with open(out / "log4", "w") as log:
+                processes.append(subprocess.Popen(
+                    node1.command([sys.executable, script_path, json.dumps(joining)]),
+                    env=env, stdout=log, stderr=subprocess.STDOUT))
         for process in processes[:2]:
             process.wait(max(0.1, deadline - time.monotonic()))
         ended = time.monotonic() - started
@@ -387,7 +423,7 @@ def _job_on_two_machines(made, out, config, collective_timeout=60, cut_when_paus
             if process.poll() is None:
                 process.kill()
             process.wait()
-    logs = [(out / f"log{rank}").read_text() for rank in range(4)]
+    logs = [(out / f"log{rank}").read_text() for rank in range(len(processes))]
     return [p.returncode for p in processes], logs, ended
 
 
@@ -405,20 +441,41 @@ def _assert_machine0_finished_alone(out, logs, steps, global_batch, lost_at):
         assert got == mirror
 
 
-def test_a_machine_lost_on_a_cluster_of_two_machines(tmp_path):
+def test_a_machine_lost_then_replaced_on_a_cluster_of_two_machines(tmp_path):
     """2 machines x 2 replicas on a cluster of network namespaces (tests/helpers/cluster.py:
     each machine its own address, hostname and /etc/hosts): both replicas of machine 1 are
     SIGKILLed between forward and backward of step 3 (a machine lost); machine 0's
-    replicas regroup between themselves and finish equal to one device. Skipped, with the
-    reason, where namespaces cannot be made (not root)."""
+    replicas regroup between themselves and go on. Then a replacement process starts on
+    machine 1 and asks to join (machine 0's replicas wait for it before step 5); it is
+    admitted at step 5's commit, receives the state from replica 0 over the link, and the
+    three finish with the same weights, equal to one device. Skipped, with the reason,
+    where namespaces cannot be made (not root)."""
     with cluster(2) as made:
         out = tmp_path / "two_machines"
         out.mkdir()
-        config = {"out": str(out), "steps": 6, "global_batch": 12, "min_replicas": 2,
-                  "kills": [[2, 3, "backward"], [3, 3, "backward"]]}
-        codes, logs, _ = _job_on_two_machines(made, out, config)
-        assert codes[:2] == [0, 0], "\n\n".join(log[-2000:] for log in logs)
-        _assert_machine0_finished_alone(out, logs, 6, 12, lost_at=3)
+        config = {"out": str(out), "steps": 9, "global_batch": 12, "min_replicas": 2,
+                  "kills": [[2, 3, "backward"], [3, 3, "backward"]],
+                  "hold_for_joiners": [5, 1]}
+        codes, logs, _ = _job_on_two_machines(made, out, config, replacement=True)
+        everything = "\n\n".join(f"--- process {r}\n{log[-2500:]}"
+                                   for r, log in enumerate(logs))
+        assert codes == [0, 0, -9, -9, 0], everything
+        result = json.loads((out / "rank0.json").read_text())
+        # (the replicas after each step: the joiner is admitted at step 5's commit)
+        assert result["replicas_per_step"] == [4] * 3 + [2] * 2 + [3] * 4, everything
+        assert "TCPStore" not in logs[1] + logs[4], everything   # a quiet end
+        assert result["tracked"] == 9
+        assert [(r[0], sorted(r[1]), r[2]) for r in result["recoveries"]] == [(3, [2, 3], 2)]
+        assert "replica(s) [4] admitted" in logs[0], everything
+        joiner = json.loads((out / "rank4.json").read_text())
+        assert joiner["steps"] == 9 and joiner["replicas_per_step"] == [3] * 3
+        for got, mirror, joined, want in zip(result["params"],
+                                             json.loads((out / "rank1.json").read_text())[
+                                                 "params"],
+                                             joiner["params"], _one_device(9, 12)):
+            torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want,
+                                       rtol=0, atol=1e-6)
+            assert got == mirror == joined
 
 
 def test_a_link_taken_down_mid_step_machine0_goes_on_machine1_ends_with_42(tmp_path):

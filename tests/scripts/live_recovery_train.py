@@ -27,7 +27,8 @@ loss after the optimizer step (a collective after the commit); ``decay_steps``
 it votes after that function's steps); ``hold_for_joiners`` (optional, ``[step, count]``):
 the job's replicas wait before that step until `count` joiners wait for admission (so
 that the step's commit admits them, whatever the joiners' start-up time: with step 0,
-before any commit could admit one); ``die_during_admission`` (optional, for a joiner):
+before any commit could admit one; each writes ``out/holding<rank>`` as it starts
+waiting); ``die_during_admission`` (optional, for a joiner):
 ``"share"`` or ``"group"``, where it is SIGKILLed (see `_die_during_admission`);
 ``vote_every`` (optional, default 1), LiveRecovery's. Each
 step also runs a
@@ -174,6 +175,8 @@ def main(config):
     while recovery.step < config["steps"]:
         s = recovery.step
         if s == hold_step and not config.get("join"):
+            with open(os.path.join(config["out"], f"holding{rank}"), "w"):
+                pass   # a test may start the joiner now: it is admitted at this step's commit
             deadline = time.monotonic() + 60
             while recovery.joiners_waiting < hold_count:
                 if time.monotonic() > deadline:

@@ -232,7 +232,8 @@ class LiveRecovery:
         `PreemptionCheckpointHandler`'s job-wide save).
       max_replicas: the most replicas the job may grow to by admitting joiners (default:
         its size at the start, i.e. it only shrinks); `global_batch_size` must divide by
-        every size from `min_replicas` to it.
+        every size from `min_replicas` to it. A joiner takes the job's value with its
+        admission: pass none there, or the job's (another value is refused).
       join: the rendezvous store's address (host, port) of a running job to join, for a
         process whose strategy has one replica: it is admitted at the job's next commit,
         receives the parameters, optimizer state, the step and the random state from
@@ -276,6 +277,10 @@ class LiveRecovery:
                              f"joiner), not {size}: make the joiner's strategy on a plain "
                              "process, without the job's RANK / WORLD_SIZE.")
         largest = size if max_replicas is None else max_replicas
+        if join is not None and max_replicas is None:
+            # A joiner (often the job's own program started again) takes the job's bound
+            # from the store below; until then the job's min_replicas is allowed here.
+            largest = max(size, min_replicas)
         if isinstance(largest, bool) or not isinstance(largest, int) or largest < size:
             raise ValueError(f"max_replicas must be an int of at least the job's {size} "
                              f"replicas, got {max_replicas!r}.")
@@ -386,12 +391,20 @@ class LiveRecovery:
             self._store = rendezvous.connect(world.master_addr, world.master_port, size,
                                              timeout)
         if join is not None:
+            # The job's bound, which this joiner votes by once admitted.
+            largest = int(self._store.get(f"{self._prefix}max_replicas"))
+            if max_replicas is not None and max_replicas != largest:
+                raise ValueError(f"max_replicas={max_replicas} differs from the job's "
+                                 f"({largest}): pass the job's value, or none (a joiner "
+                                 "then takes the job's).")
+            self._max_replicas = largest
             # A joiner's name: after the job's first ranks and the joiners before it.
             ticket = int(self._store.add(joiners_key(self._prefix), 1))
             self._uid = int(self._store.get(f"{self._prefix}size")) + ticket - 1
             self._members = []
         elif world.rank == 0:
             self._store.set(f"{self._prefix}size", str(size))
+            self._store.set(f"{self._prefix}max_replicas", str(self._max_replicas))
             self._store.set(_JOB_KEY, token)
         self._heartbeat = Heartbeat(
             rendezvous.connect(world.master_addr, world.master_port, size, timeout),
@@ -1058,6 +1071,13 @@ class LiveRecovery:
             while int(self._store.add(key, 0)) < len(self._members) and \
                     time.monotonic() < deadline:
                 time.sleep(0.02)
+            # The chief's server then serves until every replica has stopped asking: a
+            # replica whose last poll found the server gone would print torch's C++ stack.
+            self._store.add(f"{key}/left", 1)
+            if self._uid == 0:
+                while int(self._store.add(f"{key}/left", 0)) < len(self._members) and \
+                        time.monotonic() < deadline:
+                    time.sleep(0.02)
         except Exception:  # the store is gone: nobody left to wait for
             pass
         # Our store connections (and, on the chief, the server) end here, before the
