@@ -14,10 +14,14 @@ notice (SIGKILL, a crash, a machine gone) costs seconds and changes nothing in t
    above 1, a step function that changes parameters without its optimizers or steps one
    again on new gradients after the vote, and the first step of each step function, where
    that is found out) copy the whole state instead and vote after the step
-   (`step_snapshot.StepSnapshot`);
+   (`step_snapshot.StepSnapshot`). With ``vote_every=n`` only every n-th step votes; in
+   the others the completed all-reduce is the commit, and after a loss the survivors one
+   step behind take the state of one ahead (`_catch_up`) instead of redoing the step;
 3. when a replica is lost, its collective breaks on the survivors (gloo's connection
-   closes at once; at worst the collective timeout), or its heartbeat stops while the
-   others wait for its vote (`membership`); the survivors put their state back, close
+   closes at once), or its heartbeat stops while the others wait for its vote
+   (`membership`) or while their step runs long (then each breaks its own end of the
+   group's connections: `launch.sockets`; a link down closes nothing, and gloo's
+   collective would wait for its timeout); the survivors put their state back, close
    their broken group (which breaks the collectives of the survivors still waiting in one),
    agree on who is alive, build a new process group among themselves in the same
    processes (`Runtime.regroup`, under a store prefix new for the generation), and redo the
@@ -27,9 +31,10 @@ notice (SIGKILL, a crash, a machine gone) costs seconds and changes nothing in t
 Where it cannot recover, every survivor ends with the reason and exit code 42 (the code
 `PreemptionCheckpointHandler` exits with, which torchrun, SLURM's ``RequeueExit=42`` and
 the requeue wrapper read as "restart me"), so the scheduler's restart and
-`BackupAndRestore` take over: the rendezvous store's host (the chief) lost, fewer
-survivors than ``min_replicas``, or a survivor that did not join the new group in time
-(a second failure during the recovery).
+`BackupAndRestore` take over: the rendezvous store's host (the chief) lost or cut off
+(a replica whose heartbeat the store has not answered for the collective timeout ends at
+once), fewer survivors than ``min_replicas``, or a survivor that did not join the new
+group in time (a second failure during the recovery).
 
 The loop changes in one line: ``strategy.run(step, args=(batch,))`` becomes
 ``recovery.run(step, global_batch)``, on every replica with the same global batch.
