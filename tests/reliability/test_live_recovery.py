@@ -478,6 +478,35 @@ def test_a_machine_lost_then_replaced_on_a_cluster_of_two_machines(tmp_path):
             assert got == mirror == joined
 
 
+def test_a_departure_and_a_joiner_killed_in_its_admission_on_a_cluster(tmp_path):
+    """The same 2 x 2 job: replica 3 (on node1) gets SIGTERM during step 1 and leaves at
+    its commit (4 -> 3 replicas); before step 4 the three wait for a joiner, which starts
+    on node1 and is SIGKILLed as replica 0 starts sending it the state over the link. The
+    three log the broken admission, regroup without it, and finish equal to one device."""
+    with cluster(2) as made:
+        out = tmp_path / "departure_admission"
+        out.mkdir()
+        config = {"out": str(out), "steps": 8, "global_batch": 12, "min_replicas": 2,
+                  "kills": [[3, 1, "sigterm"]], "hold_for_joiners": [4, 1],
+                  "die_during_admission": "share"}
+        codes, logs, _ = _job_on_two_machines(made, out, config, collective_timeout=30,
+                                              replacement=True)
+        everything = "\n\n".join(f"--- process {r}\n{log[-2500:]}"
+                                   for r, log in enumerate(logs))
+        assert codes == [0, 0, 0, 0, -9], everything
+        assert "replica(s) [3] left at a commit (termination notice)" in logs[0], everything
+        assert "the admission of joiner(s) [4] broke" in logs[0], everything
+        result = json.loads((out / "rank0.json").read_text())
+        assert result["replicas_per_step"] == [4] + [3] * 7, everything
+        assert result["tracked"] == 8
+        for rank in (1, 2):
+            assert json.loads((out / f"rank{rank}.json").read_text())["params"] == \
+                result["params"]
+        for got, want in zip(result["params"], _one_device(8, 12)):
+            torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want,
+                                       rtol=0, atol=1e-6)
+
+
 def test_a_link_taken_down_mid_step_machine0_goes_on_machine1_ends_with_42(tmp_path):
     """The same 2 x 2 job; in step 3 node1's link is taken down (its switch port: no
     carrier, no connection closes) while replica 2 is between its forward and its backward
