@@ -285,22 +285,27 @@ def test_vote_every_is_refused_with_commit_every_and_must_be_positive():
         LiveRecovery(strategy, objects, global_batch_size=4, vote_every=0)
 
 
-def test_a_joiner_with_another_max_replicas_than_the_job_is_refused_before_it_asks():
-    # A job's store as replica 0 leaves it (its token, size and max_replicas published);
-    # the joiner reads the job's bound before it takes a ticket.
+def test_a_joiner_with_other_settings_than_the_job_is_refused_before_it_asks():
+    # A job's store as replica 0 leaves it (its token, size, max_replicas, commit_every and
+    # vote_every published); the joiner reads them before it takes a ticket.
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=datetime.timedelta(seconds=10))
     prefix = "torchstrategy/live/abc/"
-    server.set(f"{prefix}size", "2")
-    server.set(f"{prefix}max_replicas", "3")
+    for key, value in (("size", "2"), ("max_replicas", "3"), ("commit_every", "1"),
+                       ("vote_every", "10")):
+        server.set(f"{prefix}{key}", value)
     server.set("torchstrategy/live/job", "abc")
     strategy = ts.MirroredStrategy(["cpu"])
     model = torch.nn.Linear(2, 1)
     objects = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+    join = ("127.0.0.1", server.port)
     with pytest.raises(ValueError, match=r"max_replicas=5 differs from the job's \(3\)"):
         LiveRecovery(strategy, objects, global_batch_size=60, min_replicas=2, max_replicas=5,
-                     join=("127.0.0.1", server.port))
-    assert not server.check([f"{prefix}joiners"])   # it did not ask
+                     join=join)
+    with pytest.raises(ValueError, match=r"vote_every=1 differs from the job's \(10\): a "
+                                         r"joiner votes at the job's steps; pass vote_every=10"):
+        LiveRecovery(strategy, objects, global_batch_size=6, min_replicas=2, join=join)
+    assert not server.check([f"{prefix}joiners"])   # neither asked
 
 
 def test_chief_lost_ends_survivor_with_42(jobs):

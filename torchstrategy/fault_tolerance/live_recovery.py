@@ -403,6 +403,13 @@ class LiveRecovery:
                                  f"({largest}): pass the job's value, or none (a joiner "
                                  "then takes the job's).")
             self._max_replicas = largest
+            # Which steps vote must be the same on every replica: a replica that votes
+            # where the others do not would wait for votes that never come.
+            for name, mine in (("commit_every", commit_every), ("vote_every", vote_every)):
+                job = int(self._store.get(f"{self._prefix}{name}"))
+                if mine != job:
+                    raise ValueError(f"{name}={mine} differs from the job's ({job}): a "
+                                     f"joiner votes at the job's steps; pass {name}={job}.")
             # A joiner's name: after the job's first ranks and the joiners before it.
             ticket = int(self._store.add(joiners_key(self._prefix), 1))
             self._uid = int(self._store.get(f"{self._prefix}size")) + ticket - 1
@@ -410,6 +417,8 @@ class LiveRecovery:
         elif world.rank == 0:
             self._store.set(f"{self._prefix}size", str(size))
             self._store.set(f"{self._prefix}max_replicas", str(self._max_replicas))
+            self._store.set(f"{self._prefix}commit_every", str(commit_every))
+            self._store.set(f"{self._prefix}vote_every", str(vote_every))
             self._store.set(_JOB_KEY, token)
         self._heartbeat = Heartbeat(
             rendezvous.connect(world.master_addr, world.master_port, size, timeout),
