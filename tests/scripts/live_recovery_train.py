@@ -204,8 +204,11 @@ def replica(environment, config, log_path):
     here."""
     for name in ("TORCHELASTIC_RUN_ID", "TORCHSTRATEGY_LAUNCHER", "TORCHSTRATEGY_PARENT_PID",
                  "TORCHSTRATEGY_PUBLISHED_WORLD", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                 "ROLE_RANK", "ROLE_WORLD_SIZE"):
-        os.environ.pop(name, None)   # the test's own launcher, if any, is not this job's
+                 "ROLE_RANK", "ROLE_WORLD_SIZE", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                 "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        # The test's own launcher, if any, or a strategy the test process made (which
+        # publishes its world here) is not this job's: a joiner must see none of it.
+        os.environ.pop(name, None)
     os.environ.update(environment)
     torch.set_num_threads(1)
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
