@@ -395,9 +395,11 @@ class LiveRecovery:
         if self._store is None:
             self._store = rendezvous.connect(world.master_addr, world.master_port, size,
                                              timeout)
+        settings_key = f"{self._prefix}settings"
         if join is not None:
+            job_settings = json.loads(self._store.get(settings_key))
             # The job's bound, which this joiner votes by once admitted.
-            largest = int(self._store.get(f"{self._prefix}max_replicas"))
+            largest = job_settings["max_replicas"]
             if max_replicas is not None and max_replicas != largest:
                 raise ValueError(f"max_replicas={max_replicas} differs from the job's "
                                  f"({largest}): pass the job's value, or none (a joiner "
@@ -406,7 +408,7 @@ class LiveRecovery:
             # Which steps vote must be the same on every replica: a replica that votes
             # where the others do not would wait for votes that never come.
             for name, mine in (("commit_every", commit_every), ("vote_every", vote_every)):
-                job = int(self._store.get(f"{self._prefix}{name}"))
+                job = job_settings[name]
                 if mine != job:
                     raise ValueError(f"{name}={mine} differs from the job's ({job}): a "
                                      f"joiner votes at the job's steps; pass {name}={job}.")
@@ -416,9 +418,9 @@ class LiveRecovery:
             self._members = []
         elif world.rank == 0:
             self._store.set(f"{self._prefix}size", str(size))
-            self._store.set(f"{self._prefix}max_replicas", str(self._max_replicas))
-            self._store.set(f"{self._prefix}commit_every", str(commit_every))
-            self._store.set(f"{self._prefix}vote_every", str(vote_every))
+            self._store.set(settings_key, json.dumps(
+                {"max_replicas": self._max_replicas, "commit_every": commit_every,
+                 "vote_every": vote_every}))
             self._store.set(_JOB_KEY, token)
         self._heartbeat = Heartbeat(
             rendezvous.connect(world.master_addr, world.master_port, size, timeout),
@@ -978,11 +980,14 @@ class LiveRecovery:
             local_rank=on_my_machine.index(self._uid), local_world_size=len(on_my_machine),
             node_rank=nodes.index(mine), num_nodes=len(nodes), store=None)
 
-    def _give_up(self, reason: str) -> NoReturn:
-        """Ends this replica: the reason, then `exit_fn` (exit code 42)."""
+    def _log_ending(self, reason: str) -> None:
         logger.error(f"torchstrategy: live recovery cannot continue on replica {self._uid}: "
                      f"{reason}. Exiting with code {termination.RESTART_EXIT_CODE} for the "
                      "scheduler to restart the job (BackupAndRestore resumes it).")
+
+    def _give_up(self, reason: str) -> NoReturn:
+        """Ends this replica: the reason, then `exit_fn` (exit code 42)."""
+        self._log_ending(reason)
         self._close()
         try:
             runtime.current().abandon_process_group()
@@ -1041,13 +1046,10 @@ class LiveRecovery:
         if self._ended:
             return
         self._ended = True
-        logger.error(f"torchstrategy: live recovery cannot continue on replica {self._uid}: "
-                     f"the rendezvous store has not answered for {silent:.0f} s (the "
-                     "collective timeout): this machine is cut off from the chief's, which "
-                     "hosts it (a link down), or the chief's machine is down; the other "
-                     "replicas go on without this one if they can. Exiting with code "
-                     f"{termination.RESTART_EXIT_CODE} for the scheduler to restart it "
-                     "(BackupAndRestore resumes it).")
+        self._log_ending(f"the rendezvous store has not answered for {silent:.0f} s (the "
+                         "collective timeout): this machine is cut off from the chief's, "
+                         "which hosts it (a link down), or the chief's machine is down; the "
+                         "other replicas go on without this one if they can")
         for handler in [*logger.handlers, *logging.getLogger().handlers]:
             handler.flush()
         for stream in (sys.stdout, sys.stderr):
