@@ -19,12 +19,15 @@ alternating in rotating order, each repetition timed on the slowest replica:
                   crosses each node's link in one direction, 1.5x the bytes of the limit)
   hier            the same buffer through ts.HierarchicalCopyAllReduce() directly: reduce
                   onto each node's first replica, all-reduce between those two, broadcast
+                  (inside each node through shared memory, the default with gloo)
+  hier-tcp        the same with shared_memory=False: inside each node over loopback TCP
   ddp-best        DistributedDataParallel(gradient_as_bucket_view=True, static_graph=True,
                   broadcast_buffers=False)
   ours            ts.MultiWorkerMirroredStrategy() with the default cross-device ops
   ours-flat       the same with ts.NcclAllReduce() named (a flat ring)
   ours-hier       ts.HierarchicalCopyAllReduce(): summed inside each node, all-reduced
                   between the two nodes' first replicas, broadcast back
+  ours-hier-tcp   the same with shared_memory=False (inside each node over loopback TCP)
   ours-hier-4mb   the same with buckets of 4 MiB (CommunicationOptions(bytes_per_pack=4 MiB))
                   instead of 25: a bucket reaches the link sooner
   ours-bf16       ts.NcclAllReduce(compression="bf16")
@@ -66,9 +69,10 @@ sys.path.insert(0, ROOT)
 import torchstrategy as ts  # noqa: E402
 from tests.helpers.cluster import Cluster, why_not_possible  # noqa: E402
 
-CONFIGS = ("limit", "flat", "hier", "ddp-best", "ours", "ours-flat", "ours-hier",
-           "ours-hier-4mb", "ours-bf16", "ours-powersgd4", "ours-int8")
-OURS = {"ours": None, "ours-flat": "flat", "ours-hier": "hier", "ours-hier-4mb": "hier-4mb",
+CONFIGS = ("limit", "flat", "hier", "hier-tcp", "ddp-best", "ours", "ours-flat", "ours-hier",
+           "ours-hier-tcp", "ours-hier-4mb", "ours-bf16", "ours-powersgd4", "ours-int8")
+OURS = {"ours": None, "ours-flat": "flat", "ours-hier": "hier", "ours-hier-tcp": "hier-tcp",
+        "ours-hier-4mb": "hier-4mb",
         "ours-bf16": "bf16", "ours-powersgd4": "powersgd", "ours-int8": "int8"}
 NPROC = 2
 
@@ -101,6 +105,7 @@ def tx_bytes():
 def our_strategy(kind, trace=False):
     cross = {None: None, "flat": ts.NcclAllReduce(),
              "hier": Traced() if trace else ts.HierarchicalCopyAllReduce(),
+             "hier-tcp": ts.HierarchicalCopyAllReduce(shared_memory=False),
              "hier-4mb": ts.HierarchicalCopyAllReduce(),
              "bf16": ts.NcclAllReduce(compression="bf16"),
              "powersgd": ts.NcclAllReduce(compression=ts.PowerSGD(rank=4)),
@@ -109,7 +114,7 @@ def our_strategy(kind, trace=False):
     strategy = ts.MultiWorkerMirroredStrategy(communication_options=options,
                                               cross_device_ops=cross)
     ops = strategy.extended.communicator.cross_device_ops
-    if kind in ("hier", "hier-4mb") and ops.num_machines != 2:
+    if kind in ("hier", "hier-tcp", "hier-4mb") and ops.num_machines != 2:
         raise SystemExit(f"the hierarchical ops see {ops.num_machines} machine(s), not 2")
     return strategy
 
@@ -155,10 +160,17 @@ def worker(args):
     leaders = dist.new_group([0, NPROC])
     hierarchical = ts.HierarchicalCopyAllReduce()
     hierarchical.create_groups([r // NPROC for r in range(world)])
+    if rank == 0:
+        print(f"hier: inside each node through "
+              f"{'shared memory' if hierarchical.uses_shared_memory else 'loopback TCP'}",
+              flush=True)
+    hierarchical_tcp = ts.HierarchicalCopyAllReduce(shared_memory=False)
+    hierarchical_tcp.create_groups([r // NPROC for r in range(world)])
     configs = {
         "limit": lambda: dist.all_reduce(flat, group=leaders) if rank % NPROC == 0 else None,
         "flat": lambda: dist.all_reduce(flat),
         "hier": lambda: hierarchical.all_reduce(flat, None),
+        "hier-tcp": lambda: hierarchical_tcp.all_reduce(flat, None),
     }
     warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
     ddp = nn.parallel.DistributedDataParallel(

@@ -78,4 +78,5 @@ def test_options_reach_the_backend_reducer_and_timeout_and_hierarchy_sums_exactl
 def test_hierarchical_ops_validate_their_arguments():
     with pytest.raises(ValueError, match="num_packs must be a positive int, got 0"):
         ts.HierarchicalCopyAllReduce(num_packs=0)
-    assert repr(ts.HierarchicalCopyAllReduce(2)) == "HierarchicalCopyAllReduce(num_packs=2)"
+    assert repr(ts.HierarchicalCopyAllReduce(2)) == \
+        "HierarchicalCopyAllReduce(num_packs=2, shared_memory=True)"

@@ -15,6 +15,12 @@ across buffers (`_Stages`): the gradient reducer hands over one buffer per bucke
 next bucket's pieces follow the previous one's onto the link without waiting for its
 broadcast, so the link does not idle between buckets.
 
+With gloo (CPU replicas), stages 1 and 3 go through a segment of shared memory that the
+replicas of a machine map (`machine_memory.py`): a replica copies its piece in, the leader
+adds it to its own, the replicas copy the result out; the local group's collectives carry
+only a one-element signal per piece, for order, completion and timeouts. Where the segment
+cannot be made, that machine's replicas sum over the local group's TCP as before.
+
 The subgroups (one per machine, plus one of the leaders) are created once, collectively on
 every replica, when the multi-worker strategy is created (`create_groups`). Until then, and
 whenever the layout has a single machine (or one replica per machine), the op is a plain
@@ -34,6 +40,7 @@ import torch.distributed as dist
 from torchstrategy import runtime
 from torchstrategy.collectives.cross_device_ops import (CrossDeviceOps, Pending, _All, _Done,
                                                         wait_for)
+from torchstrategy.collectives.machine_memory import MachineMemory, open_machine_memory
 
 
 # The staged path splits a buffer into pieces of at most this many bytes and pipelines them:
@@ -42,17 +49,25 @@ from torchstrategy.collectives.cross_device_ops import (CrossDeviceOps, Pending,
 # element is added in the same order whatever the piece it falls in).
 PIECE_BYTES = 4 << 20
 
+# How long a replica waits on the machine's shared memory for another replica of the
+# machine when no collective timeout was given (torch's default for gloo groups).
+DEFAULT_TIMEOUT_SECONDS = 1800.0
+
 
 class _Piece:
     """One piece of a buffer in `_Stages`: the work its next stage waits for."""
 
-    __slots__ = ("tensor", "work", "buffer", "landed")
+    __slots__ = ("tensor", "work", "buffer", "landed", "seq")
 
-    def __init__(self, tensor: torch.Tensor, work: dist.Work, buffer: _Buffer) -> None:
+    def __init__(self, tensor: torch.Tensor, work: dist.Work, buffer: _Buffer,
+                 seq: int | None) -> None:
         self.tensor = tensor
         self.work = work
         self.buffer = buffer
         self.landed = False   # (leaders) its machine's sum is in
+        # Its number in the machine's shared memory, or None where it goes by the local
+        # group's TCP (no shared memory, or not a CPU tensor).
+        self.seq = seq
 
 
 class _Stages:
@@ -79,21 +94,34 @@ class _Stages:
         self._local_group = layout.local_group
         self._cross_group = layout.cross_group
         self._is_leader = layout.is_leader
+        self._memory = layout.memory
+        self._next_seq = 0     # pieces through the shared memory so far (alike on the machine)
         # The reduces' callbacks run on the backend's threads: the queues are shared.
         self._lock = threading.Lock()
         # Pieces whose cross-machine all-reduce has not started (leaders only), and
         # pieces whose broadcast has not started.
         self._to_cross: Deque[_Piece] = collections.deque()
         self._to_broadcast: Deque[_Piece] = collections.deque()
+        # Pieces whose broadcast has started and was not yet waited for (main thread only).
+        self._to_finish: Deque[_Piece] = collections.deque()
         self._error: BaseException | None = None
 
     def add(self, pieces: Sequence[torch.Tensor]) -> _Buffer:
         """Starts the per-machine sums of `pieces` (one buffer) and returns its handle."""
         buffer = _Buffer(self, len(pieces))
         for tensor in pieces:
-            piece = _Piece(tensor, dist.reduce(tensor, dst=self._leader,
+            seq = None
+            sent = tensor
+            if self._memory is not None and tensor.device.type == "cpu":
+                seq, self._next_seq = self._next_seq, self._next_seq + 1
+                # The piece goes through the shared memory; the reduce only says it is there.
+                sent = torch.zeros(1)
+                if not self._is_leader:
+                    self._memory.wait_consumed(seq)
+                    self._memory.contribution(self._memory.local_rank, seq, tensor).copy_(tensor)
+            piece = _Piece(tensor, dist.reduce(sent, dst=self._leader,
                                                group=self._local_group, async_op=True),
-                           buffer)
+                           buffer, seq)
             with self._lock:
                 (self._to_cross if self._is_leader else self._to_broadcast).append(piece)
             if self._is_leader:
@@ -122,6 +150,8 @@ class _Stages:
         every piece at the head of the queue whose sum is in."""
         try:
             with self._lock:
+                if not piece.landed and piece.seq is not None:
+                    self._add_machine_pieces(piece)
                 piece.landed = True
                 while self._to_cross and self._to_cross[0].landed:
                     head = self._to_cross.popleft()
@@ -133,7 +163,13 @@ class _Stages:
 
     def finish(self, buffer: _Buffer, timeout: datetime.timedelta | None) -> None:
         """Drives the stages until every piece of `buffer` (and of each buffer handed over
-        before it) has its broadcast started, then waits for `buffer`'s broadcasts."""
+        before it) has its broadcast started, then waits for those broadcasts, in the order
+        they were started, up to `buffer`'s last piece.
+
+        Broadcasts are waited for (and, through shared memory, copied out) in that global
+        order, whatever buffer is finished first: the gradient reducer finishes its flags
+        (handed over last) before its buckets, and the leader may be waiting for an earlier
+        bucket's result to be copied out before it can reuse the slot for a later piece."""
         try:
             with self._lock:
                 waiting = list(self._to_cross)
@@ -149,18 +185,41 @@ class _Stages:
                     raise RuntimeError("torchstrategy: a hierarchical all-reduce waited for "
                                        "after an earlier one failed; its group is unusable.")
                 wait_for(head.work, timeout)
-                head.buffer.broadcasts.append(dist.broadcast(
-                    head.tensor, src=self._leader, group=self._local_group, async_op=True))
+                sent = head.tensor
+                if head.seq is not None and self._memory is not None:
+                    sent = torch.zeros(1)   # says the result is in the shared memory
+                    if self._is_leader:
+                        self._memory.wait_copied_out(head.seq)
+                        self._memory.result(head.seq, head.tensor).copy_(head.tensor)
+                head.work = dist.broadcast(sent, src=self._leader, group=self._local_group,
+                                           async_op=True)
+                self._to_finish.append(head)
                 head.buffer.unstarted -= 1
+            while buffer.unfinished:
+                piece = self._to_finish.popleft()
+                wait_for(piece.work, timeout)
+                if piece.seq is not None and self._memory is not None and not self._is_leader:
+                    piece.tensor.copy_(self._memory.result(piece.seq, piece.tensor))
+                    self._memory.mark_copied_out(piece.seq)
+                piece.buffer.unfinished -= 1
         except BaseException:
             # A failed or timed-out stage: the group is unusable; forget what was queued so
             # that no later call waits on it.
             with self._lock:
                 self._to_cross.clear()
                 self._to_broadcast.clear()
+                self._to_finish.clear()
             raise
-        for broadcast in buffer.broadcasts:
-            wait_for(broadcast, timeout)
+
+    def _add_machine_pieces(self, piece: _Piece) -> None:
+        """Leaders, once `piece`'s reduce (its signal) landed: adds the machine's other
+        replicas' pieces from the shared memory to its own, in local rank order, and frees
+        their slots."""
+        memory = self._memory
+        assert memory is not None and piece.seq is not None
+        for local_rank in range(1, memory.local_size):
+            piece.tensor.add_(memory.contribution(local_rank, piece.seq, piece.tensor))
+        memory.mark_consumed(piece.seq)
 
 
 class _Buffer:
@@ -169,8 +228,8 @@ class _Buffer:
 
     def __init__(self, stages: _Stages, num_pieces: int) -> None:
         self._stages = stages
-        self.unstarted = num_pieces
-        self.broadcasts: list[dist.Work] = []
+        self.unstarted = num_pieces     # pieces whose broadcast has not started
+        self.unfinished = num_pieces    # pieces whose broadcast was not waited for
         self._done = False
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
@@ -186,12 +245,13 @@ class _Layout:
 
     def __init__(self, local_group: dist.ProcessGroup | None, leader: int | None,
                  cross_group: dist.ProcessGroup | None, is_leader: bool,
-                 num_machines: int) -> None:
+                 num_machines: int, memory: MachineMemory | None) -> None:
         self.local_group = local_group
         self.leader = leader
         self.cross_group = cross_group
         self.is_leader = is_leader
         self.num_machines = num_machines
+        self.memory = memory
         self.stages = _Stages(self)
 
 
@@ -202,20 +262,34 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
     Args:
       num_packs: the buffer is split into this many chunks, each reduced on its own, so that
         a large buffer's chunks can be in flight together.
+      shared_memory: with gloo (CPU replicas), sum and broadcast inside each machine through
+        a segment of shared memory that the machine's replicas map (`machine_memory.py`),
+        instead of over the local group's loopback TCP; where a replica of the machine
+        cannot map it, that machine keeps the TCP path and the reason is logged. False:
+        always the local group's collectives. With NCCL it does nothing (CUDA tensors go by
+        NCCL inside the machine).
 
     The result equals a plain all-reduce up to floating-point summation order.
     """
 
-    def __init__(self, num_packs: int = 1) -> None:
+    def __init__(self, num_packs: int = 1, shared_memory: bool = True) -> None:
         if isinstance(num_packs, bool) or not isinstance(num_packs, int) or num_packs < 1:
             raise ValueError(f"num_packs must be a positive int, got {num_packs!r}.")
+        if not isinstance(shared_memory, bool):
+            raise TypeError(f"shared_memory must be True or False, got {shared_memory!r}.")
         self.num_packs = num_packs
+        self.shared_memory = shared_memory
         self._layout: _Layout | None = None
 
     @property
     def num_machines(self) -> int:
         """Machines in the layout the groups were created for (1 before `create_groups`)."""
         return 1 if self._layout is None else self._layout.num_machines
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        """Whether this replica's machine sums through shared memory (see `shared_memory`)."""
+        return self._layout is not None and self._layout.memory is not None
 
     def create_groups(self, machine_of_rank: Sequence[Hashable],
                       timeout_seconds: float | None = None) -> None:
@@ -250,8 +324,16 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
                 local_group, leader = group, members[m][0]
         cross_group = dist.new_group(leaders, timeout=timeout)
         is_leader = rank == leader
+        assert local_group is not None and leader is not None
+        memory = None
+        if self.shared_memory and dist.get_backend() == "gloo":
+            mine = members[machine_of_rank[rank]]
+            memory = open_machine_memory(
+                local_group, leader, mine.index(rank), len(mine), PIECE_BYTES,
+                timeout_seconds=(DEFAULT_TIMEOUT_SECONDS if timeout_seconds is None
+                                 else float(timeout_seconds)))
         self._layout = _Layout(local_group, leader, cross_group if is_leader else None,
-                               is_leader, len(machines))
+                               is_leader, len(machines), memory)
         # Drop the subgroups before the process group is released at exit: groups still
         # referenced at interpreter teardown are destroyed in the wrong order.
         runtime.current().on_shutdown(f"hierarchical-groups-{id(self)}", self._forget_groups)
@@ -280,4 +362,5 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
         return layout.stages.add(torch.split(chunk.view(-1), piece))
 
     def __repr__(self) -> str:
-        return f"HierarchicalCopyAllReduce(num_packs={self.num_packs})"
+        return (f"HierarchicalCopyAllReduce(num_packs={self.num_packs}, "
+                f"shared_memory={self.shared_memory})")
