@@ -16,7 +16,10 @@ variables, rank 0 serving the rendezvous store) that train an MLP whose training
    every step the replicas vote in the optimizer's step pre-hook and copy only buffers,
    gradients present and random state; with ``commit_every=k`` they copy the whole state
    and vote every k steps. The vote's own time (`StepCommit.decide`: a store ``add``,
-   then ``wait`` + ``get`` or ``compare_set``) is printed too. ``--cost-only`` stops here.
+   then ``wait`` + ``get`` or ``compare_set``) is printed too, and the process's CPU time
+   per step of each kind (every thread, paired the same way): the work live recovery adds,
+   which other jobs on a shared machine do not blur as they blur the wall time (a wait,
+   such as the vote's, costs no CPU). ``--cost-only`` stops here.
 2. **Recovery.** Replica ``replicas - 1`` then SIGKILLs itself between forward and backward;
    the survivors recover and go on. Printed: the seconds from the kill (its time written to
    a file just before) to the next committed step on replica 0, and the recovery's own
@@ -189,8 +192,14 @@ def _worker(config: dict) -> None:
             recovery.run(step, batches[0])
         return
     times: dict[str, list[float]] = {"plain": [], "live": [], "every_k": [], "sparse": []}
+    # The process's CPU time (every thread: the heartbeat's and gloo's too) per step: work
+    # added by live recovery shows here whatever the other jobs on the machine do, while
+    # the wall time also carries their noise. A vote's wait costs no CPU (it is measured
+    # as `votes`).
+    cpu: dict[str, list[float]] = {kind: [] for kind in times}
     live_votes: list[float] = []
     paired: dict[str, list[float]] = {"live": [], "every_k": [], "sparse": []}
+    cpu_paired: dict[str, list[float]] = {"live": [], "every_k": [], "sparse": []}
     comm = strategy.extended.communicator
     kinds = list(times)
     assert every_k is not None and sparse is not None
@@ -200,10 +209,12 @@ def _worker(config: dict) -> None:
         order = kinds[index % len(kinds):] + kinds[:index % len(kinds)]
         x = batches[index % len(batches)]
         taken = {}
+        taken_cpu = {}
         run_length = config["steps_per_timing"]
         for kind in order:
             comm.barrier()
             start = time.perf_counter()
+            start_cpu = time.process_time()
             for _ in range(run_length):
                 if kind == "plain":
                     per = g // comm.world_size
@@ -217,16 +228,20 @@ def _worker(config: dict) -> None:
                 else:
                     sparse.run(step, x)
             taken[kind] = (time.perf_counter() - start) / run_length
+            taken_cpu[kind] = (time.process_time() - start_cpu) / run_length
         if index >= 3:   # the first iterations warm up (allocations, the probe step)
             for kind in kinds:
                 times[kind].append(taken[kind])
+                cpu[kind].append(taken_cpu[kind])
             for kind in paired:
                 paired[kind].append(taken[kind] / taken["plain"])
+                cpu_paired[kind].append(taken_cpu[kind] / taken_cpu["plain"])
     every_k.commit()
     if config["cost_only"]:
         if rank == 0:
             with open(config["out"], "w") as f:
-                json.dump({"times": times, "paired": paired, "votes": live_votes}, f)
+                json.dump({"times": times, "paired": paired, "votes": live_votes,
+                           "cpu": cpu, "cpu_paired": cpu_paired}, f)
         recovery.commit()
         return
     kill_at = recovery.step + 2
@@ -307,6 +322,17 @@ def _print_cost(args: argparse.Namespace, live: dict) -> None:
               f"over median, {(ratios[1] - 1) * 100:+.1f} % paired (median of the "
               f"{len(live['paired'][kind])} steps' ratios to the plain step beside them; "
               f"IQR {(ratios[0] - 1) * 100:+.1f} to {(ratios[2] - 1) * 100:+.1f} %)")
+    plain_cpu = _quartiles(live["cpu"]["plain"])
+    print(f"CPU time per step (every thread of replica 0), strategy.run: median "
+          f"{plain_cpu[1] * 1e3:.2f} ms (IQR {plain_cpu[0] * 1e3:.2f}-{plain_cpu[2] * 1e3:.2f})")
+    for kind, name in (("live", "vote in every step"),
+                       ("every_k", f"commit_every={args.commit_every}"),
+                       ("sparse", f"vote_every={args.vote_every}")):
+        q = _quartiles(live["cpu"][kind])
+        ratios = _quartiles(live["cpu_paired"][kind])
+        print(f"CPU time per step, {name}: median {q[1] * 1e3:.2f} ms; added "
+              f"{(ratios[1] - 1) * 100:+.1f} % paired (IQR {(ratios[0] - 1) * 100:+.1f} to "
+              f"{(ratios[2] - 1) * 100:+.1f} %)")
     votes = _quartiles(live["votes"])
     print(f"the vote (StepCommit.decide, replica 0): median {votes[1] * 1e3:.3f} ms (IQR "
           f"{votes[0] * 1e3:.3f}-{votes[2] * 1e3:.3f}), {votes[1] / plain[1] * 100:.1f} % "
