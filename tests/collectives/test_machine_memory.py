@@ -24,7 +24,9 @@ from torchstrategy.collectives.hierarchical import PIECE_BYTES
 from torchstrategy.collectives.machine_memory import (MachineMemory, open_machine_memory,
                                                       segment_size)
 
-MACHINES = [0, 0, 1, 1]
+# 2 machines of 2; and 3 replicas on one machine (two pieces added to the leader's, two
+# replicas copying out) beside a machine of one (no segment: nothing to sum inside it).
+LAYOUTS = {"2+2": [0, 0, 1, 1], "3+1": [0, 0, 0, 1]}
 # (numel, dtype): the third has 9 pieces of PIECE_BYTES, more than the segment's slots.
 SHAPES = [(1, torch.float32), (7, torch.float64),
           (machine_memory.SLOTS * PIECE_BYTES // 4 + 1000, torch.float32),
@@ -40,11 +42,11 @@ def _files():
     return sorted(glob.glob(f"{machine_memory.SHARED_MEMORY_DIR}/torchstrategy-*"))
 
 
-def _sums(shared_memory):
+def _sums(shared_memory, machines):
     ts.MirroredStrategy()  # joins the launched world's default process group
     rank = dist.get_rank()
     ops = ts.HierarchicalCopyAllReduce(shared_memory=shared_memory)
-    ops.create_groups(MACHINES, timeout_seconds=60)
+    ops.create_groups(machines, timeout_seconds=60)
     results = []
     for round_ in range(3):      # the slots' counters go on across calls
         outs = [b.clone() for b in _buffers(rank)]
@@ -66,12 +68,16 @@ def _sums(shared_memory):
     return every
 
 
-@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "tcp"])
-def test_hierarchical_sums_through_shared_memory_equal_a_plain_all_reduce(shared_memory):
+@pytest.mark.parametrize("shared_memory,layout", [(True, "2+2"), (True, "3+1"), (False, "2+2")],
+                         ids=["shared-memory-2+2", "shared-memory-3+1", "tcp-2+2"])
+def test_hierarchical_sums_through_shared_memory_equal_a_plain_all_reduce(shared_memory,
+                                                                          layout):
+    machines = LAYOUTS[layout]
     before = _files()
-    replicas = launch(_sums, shared_memory, n=4)
+    replicas = launch(_sums, shared_memory, machines, n=4)
     for rank, replica in enumerate(replicas):
-        assert replica["shared"] is shared_memory, rank
+        alone = machines.count(machines[rank]) == 1
+        assert replica["shared"] is (shared_memory and not alone), rank
         assert replica["same"], rank
         assert replica["dtypes"] == [dtype for _, dtype in SHAPES], rank
         assert replica["files"] == before, rank   # the segment is unlinked once mapped

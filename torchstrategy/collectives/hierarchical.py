@@ -326,8 +326,9 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
         is_leader = rank == leader
         assert local_group is not None and leader is not None
         memory = None
-        if self.shared_memory and dist.get_backend() == "gloo":
-            mine = members[machine_of_rank[rank]]
+        mine = members[machine_of_rank[rank]]
+        # A machine with one replica has nothing to sum inside it: no segment.
+        if self.shared_memory and dist.get_backend() == "gloo" and len(mine) > 1:
             memory = open_machine_memory(
                 local_group, leader, mine.index(rank), len(mine), PIECE_BYTES,
                 timeout_seconds=(DEFAULT_TIMEOUT_SECONDS if timeout_seconds is None
