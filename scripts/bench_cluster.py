@@ -10,7 +10,8 @@ tc); refuses with the reason otherwise.
 Each repetition syncs the gradients of a GPT-2-block-shaped model (``--blocks`` blocks of
 QKV 2304x768, projection 768x768, MLP 3072x768 and 768x3072, LayerNorms, biases; 7.1M
 parameters, 27 MiB per block): a loss whose backward hands out fixed gradients (no model
-compute), so the time is the gradient reduction. Configurations, in the same 4 processes,
+compute; the gradients set to None before each, as `optimizer.zero_grad()` does), so the
+time is the gradient reduction. Configurations, in the same 4 processes,
 alternating in rotating order, each repetition timed on the slowest replica:
 
   limit           one contiguous all-reduce of all the gradients' bytes between the two
@@ -177,7 +178,13 @@ def worker(args):
         Gradients(shape_list, grads), gradient_as_bucket_view=True, static_graph=True,
         broadcast_buffers=False)
 
+    # Every sync starts from gradients set to None, as after `optimizer.zero_grad()` (its
+    # default) in a training loop: without it, each backward would add onto the last sum,
+    # which the strategy's reducer keeps aside and adds back (so that only the new
+    # gradients are summed), a copy and an add that DDP does not make and no training loop
+    # asks for.
     def ddp_sync():
+        ddp.zero_grad(set_to_none=True)
         ddp().backward()
     configs["ddp-best"] = ddp_sync
     strategies = {}
@@ -189,6 +196,7 @@ def worker(args):
             module = Gradients(shape_list, grads)
 
         def sync(strategy=strategy, module=module):
+            module.zero_grad(set_to_none=True)
             strategy.run(lambda: module().backward())
         configs[name] = sync
     chosen = type(strategies["ours"].extended.communicator.cross_device_ops).__name__
