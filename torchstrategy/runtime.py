@@ -209,7 +209,15 @@ class Runtime:
         with this one fail at once instead of at its timeout. Idempotent."""
         for reducer in list(self._reducers):
             reducer.close()
-        self._group_sockets = frozenset()
+        # Shut our end of the group's connections now: destroying the group closes them
+        # only once nothing else holds it (the broken collective's work may hold it for a
+        # while), and until then a replica blocked in a collective with this one waits for
+        # its timeout (seen under load: a survivor waited 32 s in an all-reduce with a
+        # replica already regrouping). gloo's only: NCCL's connections belong to its
+        # bootstrap and proxy threads, and its watchdog ends a stalled collective.
+        group_sockets, self._group_sockets = self._group_sockets, frozenset()
+        if group_sockets and dist.is_initialized() and dist.get_backend() == "gloo":
+            sockets.shut_down(group_sockets)
         if dist.is_initialized():
             _compat.release_group_from_functional_defaults(_compat.default_process_group())
             dist.destroy_process_group()
