@@ -284,6 +284,13 @@ class Runtime:
             # Objects the program dropped that sit in reference cycles (a strategy and its
             # extended, their reducer, a pending Work) would be freed only by the cycle
             # collector, whose next run may be in the interpreter's teardown: run it now.
+            # Objects frozen by `gc.freeze()` (a program may freeze what it built, to spare
+            # the collector or its forked workers) are out of its reach, and one that has
+            # since become garbage holding the group would outlive this (a Lightning script
+            # that froze before its end kept both replicas' groups alive, and aborted now
+            # and then): this last collection includes them.
+            if gc.get_freeze_count():
+                gc.unfreeze()
             gc.collect()
             # The last references are then torch's own: destroying the groups frees them.
             _compat.release_group_from_functional_defaults(_compat.default_process_group())

@@ -29,6 +29,10 @@ def test_lightning_trainer_on_sharded_strategy(tmp_path):
                             env=clean_env(), capture_output=True, text=True,
                             timeout=SUBPROCESS_TIMEOUT_SECONDS)
     assert result.returncode == 0, result.stderr[-5000:]
+    # The script freezes its objects (gc.freeze) before its end; the runtime's shutdown
+    # still frees the groups (a group alive at the teardown aborted a replica now and then).
+    assert "still referenced after it was destroyed" not in result.stderr, \
+        result.stderr[-5000:]
     out = torch.load(tmp_path / "result.pt", weights_only=False)
     assert out["placements"] == ["DTensor"]
     sharded, mirrored = out["sharded"], out["mirrored"]
