@@ -13,7 +13,7 @@ The segment is a file in /dev/shm, created by the leader and mapped by every rep
 machine, then unlinked at once: nothing is left behind, even by a crash, outside the few
 milliseconds of the set-up. Where a replica cannot map it (no /dev/shm, another user, a
 container with its own /dev/shm, too little space), every replica of the machine keeps the
-TCP path, and the reason is logged once.
+TCP path, and the replica that could not logs why (INFO).
 
 Layout: a header of per-slot sequence counters, then one region per replica of the machine,
 each of `slots` slots of `slot_bytes`: region 0 holds the results (written by the leader),
@@ -62,10 +62,6 @@ class MachineMemory:
         # [token, consumed of each slot, copied out of each slot by each replica]
         self._header = storage[:header_bytes].view(torch.int64)
         self._region_start = header_bytes
-
-    @property
-    def token(self) -> int:
-        return int(self._header[0])
 
     def _slot(self, region: int, seq: int, like: torch.Tensor) -> torch.Tensor:
         nbytes = like.numel() * like.element_size()
