@@ -54,6 +54,12 @@ PIECE_BYTES = 4 << 20
 DEFAULT_TIMEOUT_SECONDS = 1800.0
 
 
+def _signal() -> torch.Tensor:
+    """What the local group's collectives carry for a piece that goes through the shared
+    memory: one value, saying only that the piece (or its result) is there."""
+    return torch.zeros(1)
+
+
 class _Piece:
     """One piece of a buffer in `_Stages`: the work its next stage waits for."""
 
@@ -115,10 +121,9 @@ class _Stages:
             if self._memory is not None and tensor.device.type == "cpu":
                 seq, self._next_seq = self._next_seq, self._next_seq + 1
                 # The piece goes through the shared memory; the reduce only says it is there.
-                sent = torch.zeros(1)
+                sent = _signal()
                 if not self._is_leader:
-                    self._memory.wait_consumed(seq)
-                    self._memory.contribution(self._memory.local_rank, seq, tensor).copy_(tensor)
+                    self._memory.put(seq, tensor)
             piece = _Piece(tensor, dist.reduce(sent, dst=self._leader,
                                                group=self._local_group, async_op=True),
                            buffer, seq)
@@ -150,8 +155,8 @@ class _Stages:
         every piece at the head of the queue whose sum is in."""
         try:
             with self._lock:
-                if not piece.landed and piece.seq is not None:
-                    self._add_machine_pieces(piece)
+                if not piece.landed and self._memory is not None and piece.seq is not None:
+                    self._memory.add_into(piece.seq, piece.tensor)
                 piece.landed = True
                 while self._to_cross and self._to_cross[0].landed:
                     head = self._to_cross.popleft()
@@ -186,11 +191,10 @@ class _Stages:
                                        "after an earlier one failed; its group is unusable.")
                 wait_for(head.work, timeout)
                 sent = head.tensor
-                if head.seq is not None and self._memory is not None:
-                    sent = torch.zeros(1)   # says the result is in the shared memory
+                if self._memory is not None and head.seq is not None:
+                    sent = _signal()   # says the result is in the shared memory
                     if self._is_leader:
-                        self._memory.wait_copied_out(head.seq)
-                        self._memory.result(head.seq, head.tensor).copy_(head.tensor)
+                        self._memory.publish(head.seq, head.tensor)
                 head.work = dist.broadcast(sent, src=self._leader, group=self._local_group,
                                            async_op=True)
                 self._to_finish.append(head)
@@ -198,9 +202,9 @@ class _Stages:
             while buffer.unfinished:
                 piece = self._to_finish.popleft()
                 wait_for(piece.work, timeout)
-                if piece.seq is not None and self._memory is not None and not self._is_leader:
-                    piece.tensor.copy_(self._memory.result(piece.seq, piece.tensor))
-                    self._memory.mark_copied_out(piece.seq)
+                if self._memory is not None and piece.seq is not None and \
+                        not self._is_leader:
+                    self._memory.take(piece.seq, piece.tensor)
                 piece.buffer.unfinished -= 1
         except BaseException:
             # A failed or timed-out stage: the group is unusable; forget what was queued so
@@ -210,16 +214,6 @@ class _Stages:
                 self._to_broadcast.clear()
                 self._to_finish.clear()
             raise
-
-    def _add_machine_pieces(self, piece: _Piece) -> None:
-        """Leaders, once `piece`'s reduce (its signal) landed: adds the machine's other
-        replicas' pieces from the shared memory to its own, in local rank order, and frees
-        their slots."""
-        memory = self._memory
-        assert memory is not None and piece.seq is not None
-        for local_rank in range(1, memory.local_size):
-            piece.tensor.add_(memory.contribution(local_rank, piece.seq, piece.tensor))
-        memory.mark_consumed(piece.seq)
 
 
 class _Buffer:

@@ -124,6 +124,31 @@ class MachineMemory:
             pause = min(pause * 2, 1e-3)
 
 
+    # -- the four moves of a piece, each with the wait that makes its slot safe ----------
+    def put(self, seq: int, piece: torch.Tensor) -> None:
+        """This replica (not the leader) puts `piece` as piece `seq`, once its slot is free."""
+        self.wait_consumed(seq)
+        self.contribution(self.local_rank, seq, piece).copy_(piece)
+
+    def add_into(self, seq: int, piece: torch.Tensor) -> None:
+        """Leader: adds the other replicas' piece `seq` to its own `piece`, in local rank
+        order, and frees their slots."""
+        for local_rank in range(1, self.local_size):
+            piece.add_(self.contribution(local_rank, seq, piece))
+        self.mark_consumed(seq)
+
+    def publish(self, seq: int, piece: torch.Tensor) -> None:
+        """Leader: writes `piece` as the result of piece `seq`, once its slot is free."""
+        self.wait_copied_out(seq)
+        self.result(seq, piece).copy_(piece)
+
+    def take(self, seq: int, piece: torch.Tensor) -> None:
+        """This replica (not the leader) copies the result of piece `seq` into `piece` and
+        frees the slot."""
+        piece.copy_(self.result(seq, piece))
+        self.mark_copied_out(seq)
+
+
 def header_size(local_size: int, slots: int) -> int:
     words = 1 + slots * (1 + local_size)
     return -(-words * 8 // _HEADER_ALIGN) * _HEADER_ALIGN
