@@ -41,13 +41,14 @@ def _free_port():
 def _start_job(context, out, replicas, kills, min_replicas, steps, global_batch=6,
                commit_every=1, joiners=0, max_replicas=None, reduce_after_steps=(),
                decay_steps=(), hold_for_joiners=None, die_during_admission=None,
-               collective_timeout=60, vote_every=1):
+               collective_timeout=60, vote_every=1, recovery_timeout=30):
     os.makedirs(out, exist_ok=True)
     config = {"out": str(out), "steps": steps, "global_batch": global_batch,
               "min_replicas": min_replicas, "kills": kills, "commit_every": commit_every,
               "max_replicas": max_replicas, "reduce_after_steps": list(reduce_after_steps),
               "decay_steps": list(decay_steps), "hold_for_joiners": hold_for_joiners,
-              "die_during_admission": die_during_admission, "vote_every": vote_every}
+              "die_during_admission": die_during_admission, "vote_every": vote_every,
+              "recovery_timeout": recovery_timeout}
     port = _free_port()
     processes = []
     for joiner in range(joiners):
@@ -158,7 +159,12 @@ def jobs(tmp_path_factory):
         decay_steps=[4, 5, 6]))}))
     outcome.update(_finish_jobs({"vote_every": (root / "vote_every", _start_job(
         context, root / "vote_every", 3, [[1, 4, "break"], [2, 6, "backward"]],
-        min_replicas=1, steps=8, vote_every=3))}))
+        min_replicas=1, steps=8, vote_every=3,
+        # Under CI's load replica 0 has reached the agreement only at its collective
+        # timeout (60 s) after replica 1's step broke, twice in six runs; with the usual
+        # 30 s the two others gave up on it first. Longer than the collective timeout,
+        # the agreement waits for it (what is left is in the note of stop 51).
+        recovery_timeout=90))}))
     return outcome
 
 
