@@ -7,6 +7,8 @@
 // torch 2.11 (+cu130); recheck each use below when moving either.
 #pragma once
 
+#include <chrono>
+
 #include <ATen/core/Tensor.h>
 // pybind11 with torch's casters (at::Tensor, c10::intrusive_ptr holders): the part of
 // <torch/extension.h> csrc/ needs, without torch's whole C++ API (a third of the build).
@@ -86,5 +88,27 @@ inline WorkPtr allreduce(c10d::ProcessGroup& group, const at::Tensor& tensor) {
 // Blocks until `work` finished; throws its failure.
 // Work::wait(timeout = kNoTimeout) (torch/csrc/distributed/c10d/Work.hpp), torch 2.13.0.
 inline void wait(c10d::Work& work) { work.wait(); }
+
+// Waits at most `timeout` for `work`: true once it finished (its failure thrown), false if
+// it is still running. Work::wait(timeout) throws c10::Error ("Operation timed out!") when
+// the time runs out first (torch/csrc/distributed/c10d/Work.cpp); gloo's AsyncWork keeps
+// that base wait (ProcessGroupGloo.hpp), torch 2.13.0. Not for NCCL, whose timed wait
+// means something else.
+inline bool wait_for(c10d::Work& work, std::chrono::milliseconds timeout) {
+  try {
+    work.wait(timeout);
+    return true;
+  } catch (const c10::Error&) {
+    if (!work.isCompleted()) return false;
+  }
+  work.wait();  // finished as the time ran out: its own result, or its own failure
+  return true;
+}
+
+// Whether `group` is a plain gloo group (ProcessGroup::getBackendName, ProcessGroup.hpp),
+// torch 2.13.0.
+inline bool is_gloo(const c10d::ProcessGroup& group) {
+  return group.getBackendName() == "gloo";
+}
 
 }  // namespace torchstrategy::compat

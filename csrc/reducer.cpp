@@ -87,6 +87,7 @@ Reducer::Reducer(int64_t cap_bytes, int64_t first_cap_bytes, int64_t world_size,
   }
   if (!process_group.is_none()) {
     process_group_ = compat::process_group_from_python(process_group);
+    interruptible_ = compat::is_gloo(*process_group_);
   }
   // DDP multiplies a copied gradient by this wrapped double, so the product is computed
   // in the gradient's dtype exactly as DDP's reducer computes it.
@@ -264,7 +265,7 @@ bool Reducer::finalize() {
       const auto start = std::chrono::steady_clock::now();
       if (b.work) {
         py::gil_scoped_release no_gil;
-        compat::wait(*b.work);
+        wait_work(*b.work);
       } else if (b.py_work) {
         b.py_work->attr("wait")();
       }
@@ -491,7 +492,25 @@ void Reducer::wait_for_flags(compat::WorkPtr& work) {
   if (!work) return;
   compat::WorkPtr pending = std::move(work);
   work.reset();
-  compat::wait(*pending);
+  wait_work(*pending);
+}
+
+namespace {
+constexpr std::chrono::milliseconds kInterruptPoll{200};
+}  // namespace
+
+// Waits for `work` (started on the process group); see interrupt(). Called without the GIL.
+void Reducer::wait_work(c10d::Work& work) {
+  if (!interruptible_) {
+    compat::wait(work);
+    return;
+  }
+  while (!compat::wait_for(work, kInterruptPoll)) {
+    TORCH_CHECK(!interrupted_.load(),
+                "torchstrategy: this replica stopped waiting for the gradient all-reduce: "
+                "the group's connections were closed for live recovery (a replica of the "
+                "group was lost, or has begun the recovery)");
+  }
 }
 
 // After the all-reduce: every gradient some replica contributed becomes its view (which

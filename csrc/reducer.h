@@ -38,6 +38,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -154,6 +156,15 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::tuple<int64_t, int64_t, double, int64_t> stats() const {
     return {last_bytes_, last_buckets_, last_waited_, steps_};
   }
+  // Live recovery's escape from a gloo collective that cannot complete any more (its group
+  // abandoned by a replica that is recovering): after interrupt(), from any thread, a
+  // wait of finalize() on the process group gives up within kInterruptPoll and throws an
+  // error that says the group's connections were closed; resume() undoes it. A gloo
+  // collective does not always fail when its sockets are shut down (seen: a ring's receive
+  // that kept waiting for the whole collective timeout), so the wait itself must end.
+  // Nothing changes for other backends, or for buckets launched through Python.
+  void interrupt() { interrupted_.store(true); }
+  void resume() { interrupted_.store(false); }
 
  private:
   Bucket allocate(BucketSpec spec) const;
@@ -163,6 +174,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void queue_finalize();
   void launch(Bucket& b);
   void wait_for_flags(compat::WorkPtr& work);
+  void wait_work(c10d::Work& work);
   void settle(Bucket& b);
   at::Tensor take_kept(int64_t index);
 
@@ -171,6 +183,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   const int64_t world_size_;
   std::optional<at::ScalarType> wire_dtype_;
   compat::ProcessGroupPtr process_group_;
+  bool interruptible_ = false;         // a gloo process group: see interrupt()
+  std::atomic<bool> interrupted_{false};
   pybind11::object launch_bucket_;
   pybind11::object finalize_callback_;
 

@@ -81,6 +81,9 @@ class Runtime:
         self._store: dist.Store | None = None  # the store our process group was made with
         # The sockets making our default process group opened (see `group_sockets`).
         self._group_sockets: frozenset[str] = frozenset()
+        # Threads freeing abandoned groups (`abandon_process_group`), joined at release.
+        self._freeing: list[threading.Thread] = []
+        self._group_timeout = 0.0   # the collective timeout of the groups made here
 
     # -- the world ------------------------------------------------------------------
     @property
@@ -161,6 +164,7 @@ class Runtime:
                             "it stays its creator's to destroy")
             return None
         timeout = datetime.timedelta(seconds=timeout_seconds)
+        self._group_timeout = timeout_seconds
         with self._lock:
             self._owns_group = True
             self._register_exit_handler()
@@ -219,9 +223,29 @@ class Runtime:
         if group_sockets and dist.is_initialized() and dist.get_backend() == "gloo":
             sockets.shut_down(group_sockets)
         if dist.is_initialized():
-            _compat.release_group_from_functional_defaults(_compat.default_process_group())
+            group = [_compat.default_process_group()]
+            _compat.release_group_from_functional_defaults(group[0])
             dist.destroy_process_group()
+            # Freeing a gloo group joins its threads, and a thread still in the broken
+            # collective stays there until the collective timeout: a gloo ring's send or
+            # receive is not always woken by its connections closing (seen under load:
+            # the replica that broke a step sat here for the whole timeout while the
+            # others waited for it in the agreement). The last reference is dropped in a
+            # thread of its own, so that this replica goes on with the recovery at once;
+            # `release_process_group` joins it.
+            freeing = threading.Thread(target=group.clear, daemon=True,
+                                       name="torchstrategy-free-abandoned-group")
+            freeing.start()
+            self._freeing.append(freeing)
         self._store = None
+
+    def _join_freeing(self) -> None:
+        """Waits for the abandoned groups to be freed (at most the collective timeout in
+        which their last collective can be stuck, plus a margin)."""
+        freeing, self._freeing = self._freeing, []
+        deadline = time.monotonic() + self._group_timeout + 10.0
+        for thread in freeing:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def regroup(self, world: world_lib.World, backend: str, store: dist.Store,
                 timeout_seconds: float) -> None:
@@ -242,6 +266,7 @@ class Runtime:
             self._world = world
             world_lib.publish_environment(world)
         before = sockets.socket_inodes()
+        self._group_timeout = timeout_seconds
         dist.init_process_group(backend, store=store, rank=world.rank,
                                 world_size=world.world_size,
                                 timeout=datetime.timedelta(seconds=timeout_seconds))
@@ -280,6 +305,7 @@ class Runtime:
         for reducer in list(self._reducers):
             reducer.close()
         self._group_sockets = frozenset()
+        self._join_freeing()
         if dist.is_initialized():
             # Objects the program dropped that sit in reference cycles (a strategy and its
             # extended, their reducer, a pending Work) would be freed only by the cycle
@@ -354,6 +380,14 @@ class Runtime:
     def track_reducer(self, reducer: Any) -> None:
         """`reducer.close()` is called before the process group is destroyed."""
         self._reducers.add(reducer)
+
+    def interrupt_gradient_reductions(self, interrupted: bool) -> None:
+        """Live recovery's hook, safe from any thread: with `interrupted`, a gradient
+        all-reduce that a reducer waits for on a gloo group gives up within a fraction of
+        a second and fails as a broken connection (the group is being abandoned: no
+        collective of it can complete); without, waits are normal again."""
+        for reducer in list(self._reducers):
+            reducer.interrupt(interrupted)
 
     # -- higher layers' state and clean-up ----------------------------------------------
     def state(self, key: str, factory: Callable[[], _T]) -> _T:

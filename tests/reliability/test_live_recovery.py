@@ -159,12 +159,7 @@ def jobs(tmp_path_factory):
         decay_steps=[4, 5, 6]))}))
     outcome.update(_finish_jobs({"vote_every": (root / "vote_every", _start_job(
         context, root / "vote_every", 3, [[1, 4, "break"], [2, 6, "backward"]],
-        min_replicas=1, steps=8, vote_every=3,
-        # Under CI's load replica 0 has reached the agreement only at its collective
-        # timeout (60 s) after replica 1's step broke, twice in six runs; with the usual
-        # 30 s the two others gave up on it first. Longer than the collective timeout,
-        # the agreement waits for it (what is left is in the note of stop 51).
-        recovery_timeout=90))}))
+        min_replicas=1, steps=8, vote_every=3))}))
     return outcome
 
 

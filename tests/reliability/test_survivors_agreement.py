@@ -17,7 +17,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from torchstrategy.fault_tolerance.membership import Heartbeat, agree_on_survivors
+from torchstrategy.fault_tolerance.membership import (Heartbeat, agree_on_survivors,
+                                                      agreement_begun)
 
 JOB = "job/"
 DEAD_AFTER = 0.5
@@ -61,6 +62,30 @@ def test_a_survivor_that_registers_late_is_waited_for_while_its_heartbeat_moves(
         beat.stop()
     assert results == {0: [0, 1], 1: [0, 1]}
     assert time.monotonic() - started >= 4 * DEAD_AFTER
+
+
+def test_agreement_begun_turns_true_with_the_first_registration_only_for_its_generation(
+        server):
+    # What a replica still blocked in a step reads (live recovery's step watch): once a
+    # member registered for the next generation, that member abandoned the group.
+    members = [0, 1]
+    beats = [Heartbeat(_client(server), JOB, uid, interval=0.05) for uid in members]
+    watcher = _client(server)
+    assert not agreement_begun(watcher, f"{JOB}gen1/")
+    results = {}
+    thread = threading.Thread(target=_agree, args=(server, 0, members, results))
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not agreement_begun(watcher, f"{JOB}gen1/") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    begun = agreement_begun(watcher, f"{JOB}gen1/")
+    other_generation = agreement_begun(watcher, f"{JOB}gen2/")
+    _agree(server, 1, members, results)
+    thread.join(15)
+    for beat in beats:
+        beat.stop()
+    assert begun and not other_generation
+    assert results == {0: [0, 1], 1: [0, 1]}
 
 
 def test_a_member_whose_heartbeat_stopped_is_lost_after_dead_after(server):

@@ -253,6 +253,18 @@ class GradientReducer:
         self._core = None
         self._make_core = None
 
+    def interrupt(self, interrupted: bool) -> None:
+        """With `interrupted`, this reducer's wait for a gradient all-reduce on a gloo group
+        ends within 0.2 s with an error saying the group's connections were closed (live
+        recovery: the group is being abandoned); without, it waits normally again. Safe
+        from any thread; nothing for other backends or a closed reducer."""
+        core = self._core
+        if core is not None:
+            if interrupted:
+                core.interrupt()
+            else:
+                core.resume()
+
     # -- set-up -------------------------------------------------------------------------
     def add_parameters(self, params: Iterable[torch.Tensor]) -> None:
         """Registers parameters (those requiring grad; duplicates ignored) and re-buckets

@@ -63,7 +63,7 @@ from torchstrategy.collectives.communicator import CollectiveError
 from torchstrategy.fault_tolerance import termination
 from torchstrategy.fault_tolerance.batch_split import check_divisible, replica_slice
 from torchstrategy.fault_tolerance.membership import (Heartbeat, LivenessWatch, StoreLost,
-                                                      agree_on_survivors)
+                                                      agree_on_survivors, agreement_begun)
 from torchstrategy.fault_tolerance.state_broadcast import broadcast_state
 from torchstrategy.fault_tolerance.step_commit import (ABORT, COMMIT, COMMIT_AND_ADMIT,
                                                       COMMIT_AND_LEAVE, StepCommit,
@@ -129,11 +129,13 @@ def _function_key(fn: Callable[..., Any]) -> str:
 @dataclasses.dataclass(frozen=True)
 class _RunningStep:
     """A step in progress, as the heartbeat's thread sees it: when it began, the other
-    members it needs, and the sockets of the process group it runs on."""
+    members it needs, the sockets of the process group it runs on, and the store prefix
+    of the agreement that follows a failure of that group."""
 
     began: float
     others: tuple[int, ...]
     group_sockets: frozenset[str]
+    next_agreement: str
 
 
 class _AdmissionBroken(RuntimeError):
@@ -363,6 +365,9 @@ class LiveRecovery:
         # watch on the others' heartbeats once it runs long, and the step whose group it
         # broke (see `_watch_step`).
         self._running: _RunningStep | None = None
+        # Held by the heartbeat's thread while it breaks the running step's group, and by
+        # the main thread while it ends a step: a step that ended is never broken.
+        self._running_lock = threading.Lock()
         self._stall: tuple[_RunningStep, LivenessWatch] | None = None
         self._broken_step: _RunningStep | None = None
         self._store: dist.Store | None = None
@@ -1005,22 +1010,36 @@ class LiveRecovery:
         self._running = _RunningStep(time.monotonic(),
                                      tuple(m for m in self._members if m != self._uid),
                                      runtime.current().group_sockets() if gloo
-                                     else frozenset())
+                                     else frozenset(),
+                                     f"{self._prefix}gen{self._generation + 1}/")
         try:
             yield
         finally:
-            self._running = None
+            with self._running_lock:
+                if self._broken_step is self._running:
+                    runtime.current().interrupt_gradient_reductions(False)
+                self._running = None
 
     def _watch_step(self, store: dist.Store) -> None:
         """After each heartbeat (in its thread, over its connection `store`): when the step
         in progress has run for `failure_detection_seconds`, reads the other members'
-        heartbeats, and once one has stopped for that long, shuts down the sockets of the
-        step's process group. A replica that crashed closes its connections, and the
-        others' collective fails at once; one whose link went down (or which froze) closes
-        nothing, and the others would wait in gloo's collective, which nothing interrupts,
-        until the collective timeout. Breaking our own end makes the collective fail now,
-        and the survivors recover as after a crash. A step that is merely slow (its
-        members beating) is left alone."""
+        heartbeats and whether one of them has begun the agreement that follows a failure;
+        once one has stopped beating for that long, or has begun that agreement, shuts down
+        the sockets of the step's process group.
+
+        A replica that crashed closes its connections, and the others' collective fails at
+        once; one whose link went down (or which froze) closes nothing, and the others
+        would wait in gloo's collective, which nothing interrupts, until the collective
+        timeout. A member that has begun the agreement has abandoned the group, so no
+        collective of it can complete any more, yet its closed end does not always end
+        this one's collective: seen under load, a survivor sat in a gloo ring's receive
+        for the whole collective timeout while the two others waited for it in the
+        agreement, and shutting down its own sockets did not wake it either. So, besides
+        breaking our own end (which makes a collective blocked on a silent peer fail), the
+        reducers' wait for the gradient all-reduce is interrupted
+        (`Runtime.interrupt_gradient_reductions`) and fails as a broken connection; the
+        survivors recover as after a crash. A step that is merely slow (its members
+        beating, none recovering) is left alone."""
         running = self._running
         if running is None or not running.others or not running.group_sockets or \
                 time.monotonic() - running.began < self._dead_after or \
@@ -1030,15 +1049,24 @@ class LiveRecovery:
             self._stall = (running, LivenessWatch(store, self._prefix, running.others,
                                                   self._dead_after))
         dead = self._stall[1].dead()
-        if not dead or self._running is not running:
+        recovering = not dead and agreement_begun(store, running.next_agreement)
+        if not (dead or recovering):
             return
-        self._broken_step = running
-        closed = sockets.shut_down(running.group_sockets)
-        logger.warning(f"torchstrategy: live recovery: replica(s) {dead} stopped beating "
-                       f"while replica {self._uid} waited "
-                       f"{time.monotonic() - running.began:.1f} s in step {self.step}; "
-                       f"{closed} connection(s) of the step's group broken to recover now "
-                       f"rather than at the collective timeout ({self._timeout:g} s).")
+        with self._running_lock:
+            if self._running is not running:
+                return
+            self._broken_step = running
+            closed = sockets.shut_down(running.group_sockets)
+            # A collective does not always fail when its sockets are shut down: the wait
+            # for the gradient all-reduce gives up by itself.
+            runtime.current().interrupt_gradient_reductions(True)
+        waited = f"{time.monotonic() - running.began:.1f}"
+        cause = f"replica(s) {dead} stopped beating" if dead else \
+            "another replica's step failed and it has begun the recovery"
+        logger.warning(f"torchstrategy: live recovery: {cause} while replica {self._uid} "
+                       f"waited {waited} s in step {self.step}; {closed} connection(s) of "
+                       f"the step's group broken to recover now rather than at the "
+                       f"collective timeout ({self._timeout:g} s).")
 
     def _cut_off(self, silent: float) -> None:
         """The heartbeat's watch: the store has not answered for `silent` seconds (the

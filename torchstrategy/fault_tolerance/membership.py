@@ -125,6 +125,24 @@ class LivenessWatch:
         return found
 
 
+def _arrivals_key(prefix: str) -> str:
+    return f"{prefix}arrivals"
+
+
+def agreement_begun(store: dist.Store, prefix: str) -> bool:
+    """Whether a replica has registered in the agreement under `prefix` (one store
+    request). A replica registers only after it abandoned its process group, so once this
+    is true no collective of that group can complete.
+
+    Raises:
+      StoreLost: the store did not answer.
+    """
+    try:
+        return int(store.add(_arrivals_key(prefix), 0)) > 0
+    except Exception as error:  # TCPStore's errors: the store's host is gone
+        raise StoreLost(str(error).splitlines()[0][:200]) from error
+
+
 def agree_on_survivors(store: dist.Store, prefix: str, heartbeat_prefix: str, uid: int,
                        members: Sequence[int], dead_after: float, deadline: float,
                        info: str = "") -> list[int]:
@@ -147,6 +165,7 @@ def agree_on_survivors(store: dist.Store, prefix: str, heartbeat_prefix: str, ui
     registered = f"{prefix}alive/"
     try:
         store.set(f"{registered}{uid}", info or "alive")
+        store.add(_arrivals_key(prefix), 1)
         watch = LivenessWatch(store, heartbeat_prefix, members, dead_after)
         decided = f"{prefix}survivors"
         while True:
