@@ -88,6 +88,7 @@ void bind_reducer(py::module_& m) {
       .def("reset_step", &Reducer::reset_step)
       .def("interrupt", &Reducer::interrupt)  // any thread: an atomic flag
       .def("resume", &Reducer::resume)
+      .def("drain", &Reducer::drain, py::arg("seconds"))  // releases the GIL itself
       .def("average_this_backward", &Reducer::average_this_backward)  // releases the GIL
       .def("bucket_sizes", &Reducer::bucket_sizes)
       .def("bucket_order", &Reducer::bucket_order)

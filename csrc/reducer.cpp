@@ -499,6 +499,34 @@ namespace {
 constexpr std::chrono::milliseconds kInterruptPoll{200};
 }  // namespace
 
+bool Reducer::drain(double seconds) {
+  if (!interruptible_) return true;
+  std::vector<compat::WorkPtr> pending;
+  for (const compat::WorkPtr* w : {&flags_work_, &spare_flags_work_}) {
+    if (*w) pending.push_back(*w);
+  }
+  for (const Bucket& b : buckets_) {
+    if (b.work) pending.push_back(b.work);
+  }
+  py::gil_scoped_release no_gil;
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(seconds));
+  for (const compat::WorkPtr& work : pending) {
+    while (true) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) return false;
+      try {
+        if (compat::wait_for(*work, std::min(left, std::chrono::milliseconds(50)))) break;
+      } catch (const std::exception&) {
+        break;  // it failed: it has ended, which is all that is asked
+      }
+    }
+  }
+  return true;
+}
+
 // Waits for `work` (started on the process group); see interrupt(). Called without the GIL.
 void Reducer::wait_work(c10d::Work& work) {
   if (!interruptible_) {

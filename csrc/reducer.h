@@ -165,6 +165,12 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Nothing changes for other backends, or for buckets launched through Python.
   void interrupt() { interrupted_.store(true); }
   void resume() { interrupted_.store(false); }
+  // Before a gloo group is abandoned: waits up to `seconds` for the collectives this
+  // reducer left in flight (the flags' sum, buckets of a failed step) to end, each as it
+  // may (completed or failed); returns whether all did. A collective still running when
+  // its connections are shut down may stay stuck until the collective timeout (above), and
+  // freeing the group then waits for it. Nothing to wait for on other backends.
+  bool drain(double seconds);
 
  private:
   Bucket allocate(BucketSpec spec) const;

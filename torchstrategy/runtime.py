@@ -55,6 +55,12 @@ logger = logging.getLogger("torchstrategy")
 _T = TypeVar("_T")
 
 
+# How long `Runtime.abandon_process_group` lets the collectives in flight end before it
+# breaks the group's connections: a collective among live peers ends in milliseconds; one
+# with a lost peer fails at once or never (a link down), and that one costs this much.
+ABANDON_DRAIN_SECONDS = 1.0
+
+
 class Runtime:
     """This process's membership in a distributed world (see the module docstring).
 
@@ -210,8 +216,15 @@ class Runtime:
         collective may be let go of late; they stay held) nor runs the cycle collector
         (seconds in a large program); the reducers, which reference the group, are
         closed. Closing our end of the group makes a replica still blocked in a collective
-        with this one fail at once instead of at its timeout. Idempotent."""
+        with this one fail at once instead of at its timeout. Idempotent.
+
+        The reducers' collectives still in flight are given up to
+        `ABANDON_DRAIN_SECONDS` to end first: a gloo collective running when its
+        connections are shut down is not always woken, and stays until the collective
+        timeout (seen: the flags' sum of the step a replica's own error broke, which the
+        others completed)."""
         for reducer in list(self._reducers):
+            reducer.drain(ABANDON_DRAIN_SECONDS)
             reducer.close()
         # Shut our end of the group's connections now: destroying the group closes them
         # only once nothing else holds it (the broken collective's work may hold it for a

@@ -265,6 +265,15 @@ class GradientReducer:
             else:
                 core.resume()
 
+    def drain(self, seconds: float) -> bool:
+        """Waits up to `seconds` for the all-reduces this reducer left in flight on a gloo
+        group (the flags' sum it does not wait for, the buckets of a failed step) to end,
+        completed or failed; returns whether all did (True for other backends and a closed
+        reducer). Live recovery calls it before it shuts the group's connections down: a
+        gloo collective running then can stay stuck until the collective timeout."""
+        core = self._core
+        return True if core is None else bool(core.drain(seconds))
+
     # -- set-up -------------------------------------------------------------------------
     def add_parameters(self, params: Iterable[torch.Tensor]) -> None:
         """Registers parameters (those requiring grad; duplicates ignored) and re-buckets
