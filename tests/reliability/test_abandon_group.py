@@ -7,14 +7,9 @@ blocked in a collective with this one would wait for the collective timeout, whi
 one is already agreeing on the survivors: under load, CI saw a survivor wait 32 s in an
 all-reduce with a replica that had regrouped, which then gave up. Two real gloo processes
 (fresh interpreters, a 20 s collective timeout); every wait bounded."""
-import json
-import os
-import socket
-import subprocess
-import sys
 import time
 
-from tests.reliability.test_group_sockets import _line
+from tests.reliability.test_group_sockets import _line, start_two_replicas
 
 _REPLICA = r'''
 import json, sys, time
@@ -45,17 +40,7 @@ print(json.dumps({"outcome": outcome, "seconds": time.monotonic() - started}), f
 
 
 def test_an_abandoned_group_fails_the_peers_collective_at_once_even_while_held():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    replicas = []
-    for rank in (0, 1):
-        env = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE="2",
-                   LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), TORCHSTRATEGY_TIMEOUT_SECONDS="20")
-        replicas.append(subprocess.Popen([sys.executable, "-c", _REPLICA, str(rank)],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         text=True, env=env))
+    replicas = start_two_replicas(_REPLICA, timeout_seconds=20)
     try:
         deadline = time.monotonic() + 120
         ready = [_line(replica, deadline) for replica in replicas]

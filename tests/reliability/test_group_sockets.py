@@ -52,6 +52,22 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def start_two_replicas(program, timeout_seconds):
+    """Replicas 0 and 1 of `program` (Python source, given its rank as argv[1]) as fresh
+    interpreters with a launcher's variables on loopback, collectives bounded by
+    `timeout_seconds`; stdin and stdout are pipes (text)."""
+    port = _free_port()
+    replicas = []
+    for rank in (0, 1):
+        env = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE="2",
+                   LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), TORCHSTRATEGY_TIMEOUT_SECONDS=str(timeout_seconds))
+        replicas.append(subprocess.Popen([sys.executable, "-c", program, str(rank)],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         text=True, env=env))
+    return replicas
+
+
 def _line(process, deadline):
     """The next JSON line `process` prints, within `deadline` (a monotonic time)."""
     os.set_blocking(process.stdout.fileno(), False)

@@ -7,13 +7,9 @@ peers' closed sockets nor shutting down its own woke that receive. Interrupted, 
 reducer's wait gives up by itself and fails as a broken connection, which live recovery
 takes for a lost replica. Two real gloo processes (fresh interpreters, a 60 s collective
 timeout); every wait bounded."""
-import os
-import socket
-import subprocess
-import sys
 import time
 
-from tests.reliability.test_group_sockets import _line
+from tests.reliability.test_group_sockets import _line, start_two_replicas
 
 _REPLICA = r'''
 import json, sys, threading, time
@@ -57,17 +53,7 @@ print(json.dumps({"outcome": outcome[:600], "kind": kind, "events": events,
 
 
 def test_an_interrupted_gradient_all_reduce_fails_as_a_broken_connection():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    replicas = []
-    for rank in (0, 1):
-        env = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE="2",
-                   LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), TORCHSTRATEGY_TIMEOUT_SECONDS="60")
-        replicas.append(subprocess.Popen([sys.executable, "-c", _REPLICA, str(rank)],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         text=True, env=env))
+    replicas = start_two_replicas(_REPLICA, timeout_seconds=60)
     try:
         deadline = time.monotonic() + 150
         first = [_line(replica, deadline) for replica in replicas]

@@ -160,6 +160,9 @@ def jobs(tmp_path_factory):
     outcome.update(_finish_jobs({"vote_every": (root / "vote_every", _start_job(
         context, root / "vote_every", 3, [[1, 4, "break"], [2, 6, "backward"]],
         min_replicas=1, steps=8, vote_every=3))}))
+    outcome.update(_finish_jobs({"abandon_open": (root / "abandon_open", _start_job(
+        context, root / "abandon_open", 2, [[1, 2, "abandon_open"]], min_replicas=1,
+        steps=5))}))
     return outcome
 
 
@@ -274,6 +277,29 @@ def test_vote_every_3_survivors_one_step_apart_catch_up_and_equal_one_device(job
         torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want,
                                    rtol=0, atol=1e-6)
         assert got == mirror
+
+
+def test_a_survivor_whose_peer_began_the_recovery_breaks_its_own_all_reduce(jobs):
+    codes, logs, results = jobs["abandon_open"]
+    everything = "\n\n".join(f"--- replica {r}\n{log[-2500:]}" for r, log in enumerate(logs))
+    # Replica 1's step 2 fails before its backward and it begins the recovery, its old
+    # group's connections left open: replica 0 waits in the gradient all-reduce for it and
+    # no closed connection tells it anything. Its step watch finds replica 1 registered in
+    # the agreement, breaks its own end and interrupts the reducer's wait; both regroup and
+    # redo step 2. With the collective timeout (60 s) above the recovery timeout (30 s),
+    # a replica 0 left waiting would have made replica 1 give up (exit 42).
+    assert codes == [0, 0], everything
+    assert ("another replica's step failed and it has begun the recovery while replica 0 "
+            "waited") in logs[0], everything
+    assert "timed out" not in logs[0].lower(), everything
+    expected = _one_device(5, 6)
+    for rank in (0, 1):
+        assert results[rank]["steps"] == 5
+        assert results[rank]["replicas_per_step"] == [2] * 5
+        assert results[rank]["tracked"] == 5     # step 2 undone and redone: counted once
+        for param, want in zip(results[rank]["params"], expected):
+            torch.testing.assert_close(torch.tensor(param, dtype=torch.float64), want,
+                                       atol=1e-6, rtol=0)
 
 
 def test_vote_every_is_refused_with_commit_every_and_must_be_positive():

@@ -19,7 +19,11 @@ or
 gradient all-reduce completed everywhere, the others wait for its vote) or
 ``"after_vote"`` (SIGKILL in an optimizer step pre-hook that runs after live recovery's:
 the replica voted, the step committed, its optimizer did not step) or ``"sigterm"`` (a
-SIGTERM to itself during the step: it leaves the job at the next commit);
+SIGTERM to itself during the step: it leaves the job at the next commit) or
+``"abandon_open"`` (its step fails before its backward with the error of a broken
+connection, and the group it abandons keeps its connections open: held, its sockets not
+shut down, as when a closed end does not wake a gloo collective; the others, waiting in the
+gradient all-reduce for it, can only learn from the store that it began the recovery);
 ``reduce_after_steps`` (optional): the steps whose function ends with an all-reduce of the
 loss after the optimizer step (a collective after the commit); ``decay_steps``
 (optional): the steps run by another step function, which multiplies the parameters by
@@ -46,7 +50,8 @@ import time
 import torch
 
 import torchstrategy as ts
-from torchstrategy import runtime
+from torchstrategy import _compat, runtime
+from torchstrategy.launch import sockets
 from torchstrategy.fault_tolerance.live_recovery import LiveRecovery
 from torchstrategy.fault_tolerance.step_commit import StepCommit
 
@@ -143,6 +148,8 @@ def main(config):
 
     optimizer.register_step_pre_hook(kill_after_vote)
 
+    held_groups = []   # "abandon_open": the abandoned group, kept alive until the end
+
     def train_step(batch):
         xb, yb = batch
         where = kills.get((rank, recovery.step))
@@ -151,6 +158,12 @@ def main(config):
         loss = ts.compute_average_loss(per_example, global_batch_size=g)
         if where == "backward":
             os.kill(os.getpid(), signal.SIGKILL)
+        if where == "abandon_open":
+            kills.pop((rank, recovery.step))
+            held_groups.append(_compat.default_process_group())
+            sockets.shut_down = lambda inodes: 0
+            raise RuntimeError("Connection closed by peer (simulated: this replica's step "
+                               "failed before its all-reduce; its connections stay open)")
         if where == "pause":
             with open(os.path.join(config["out"], f"paused{rank}"), "w"):
                 pass
@@ -188,6 +201,7 @@ def main(config):
                      (x[s * g:(s + 1) * g], y[s * g:(s + 1) * g]))
         replicas_per_step.append(recovery.num_replicas)
     recovery.commit()
+    held_groups.clear()
     result = {"params": [p.detach().tolist() for p in model.parameters()],
               "steps": recovery.step, "replicas_per_step": replicas_per_step,
               "tracked": int(tracker.num_batches_tracked),
