@@ -86,8 +86,7 @@ void bind_reducer(py::module_& m) {
       .def("mark_ready", &Reducer::mark_ready, py::call_guard<py::gil_scoped_release>())
       .def("finalize", &Reducer::finalize)
       .def("reset_step", &Reducer::reset_step)
-      .def("interrupt", &Reducer::interrupt)  // any thread: an atomic flag
-      .def("resume", &Reducer::resume)
+      .def("set_interrupted", &Reducer::set_interrupted)  // any thread: an atomic flag
       .def("drain", &Reducer::drain, py::arg("seconds"))  // releases the GIL itself
       .def("average_this_backward", &Reducer::average_this_backward)  // releases the GIL
       .def("bucket_sizes", &Reducer::bucket_sizes)

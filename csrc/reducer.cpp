@@ -513,21 +513,19 @@ bool Reducer::drain(double seconds) {
                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                             std::chrono::duration<double>(seconds));
   for (const compat::WorkPtr& work : pending) {
-    while (true) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-          deadline - std::chrono::steady_clock::now());
-      if (left.count() <= 0) return false;
-      try {
-        if (compat::wait_for(*work, std::min(left, std::chrono::milliseconds(50)))) break;
-      } catch (const std::exception&) {
-        break;  // it failed: it has ended, which is all that is asked
-      }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    try {
+      if (left.count() <= 0 || !compat::wait_for(*work, left)) return false;
+    } catch (const std::exception&) {
+      // it failed: it has ended, which is all that is asked
     }
   }
   return true;
 }
 
-// Waits for `work` (started on the process group); see interrupt(). Called without the GIL.
+// Waits for `work` (started on the process group); see set_interrupted(). Called without
+// the GIL.
 void Reducer::wait_work(c10d::Work& work) {
   if (!interruptible_) {
     compat::wait(work);

@@ -157,14 +157,13 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     return {last_bytes_, last_buckets_, last_waited_, steps_};
   }
   // Live recovery's escape from a gloo collective that cannot complete any more (its group
-  // abandoned by a replica that is recovering): after interrupt(), from any thread, a
+  // abandoned by a replica that is recovering): after set_interrupted(true), from any thread, a
   // wait of finalize() on the process group gives up within kInterruptPoll and throws an
-  // error that says the group's connections were closed; resume() undoes it. A gloo
+  // error that says the group's connections were closed; set_interrupted(false) undoes it. A gloo
   // collective does not always fail when its sockets are shut down (seen: a ring's receive
   // that kept waiting for the whole collective timeout), so the wait itself must end.
   // Nothing changes for other backends, or for buckets launched through Python.
-  void interrupt() { interrupted_.store(true); }
-  void resume() { interrupted_.store(false); }
+  void set_interrupted(bool interrupted) { interrupted_.store(interrupted); }
   // Before a gloo group is abandoned: waits up to `seconds` for the collectives this
   // reducer left in flight (the flags' sum, buckets of a failed step) to end, each as it
   // may (completed or failed); returns whether all did. A collective still running when
@@ -189,7 +188,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   const int64_t world_size_;
   std::optional<at::ScalarType> wire_dtype_;
   compat::ProcessGroupPtr process_group_;
-  bool interruptible_ = false;         // a gloo process group: see interrupt()
+  bool interruptible_ = false;         // a gloo process group: see set_interrupted()
   std::atomic<bool> interrupted_{false};
   pybind11::object launch_bucket_;
   pybind11::object finalize_callback_;

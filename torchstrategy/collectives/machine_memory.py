@@ -123,7 +123,6 @@ class MachineMemory:
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
 
-
     # -- the four moves of a piece, each with the wait that makes its slot safe ----------
     def put(self, seq: int, piece: torch.Tensor) -> None:
         """This replica (not the leader) puts `piece` as piece `seq`, once its slot is free."""

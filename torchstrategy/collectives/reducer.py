@@ -260,10 +260,7 @@ class GradientReducer:
         from any thread; nothing for other backends or a closed reducer."""
         core = self._core
         if core is not None:
-            if interrupted:
-                core.interrupt()
-            else:
-                core.resume()
+            core.set_interrupted(interrupted)
 
     def drain(self, seconds: float) -> bool:
         """Waits up to `seconds` for the all-reduces this reducer left in flight on a gloo
