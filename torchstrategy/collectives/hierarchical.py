@@ -63,12 +63,16 @@ def _signal() -> torch.Tensor:
 class _Piece:
     """One piece of a buffer in `_Stages`: the work its next stage waits for."""
 
-    __slots__ = ("tensor", "work", "buffer", "landed", "seq")
+    __slots__ = ("tensor", "reduced", "work", "buffer", "landed", "seq")
 
-    def __init__(self, tensor: torch.Tensor, work: dist.Work, buffer: _Buffer,
+    def __init__(self, tensor: torch.Tensor, reduced: dist.Work, buffer: _Buffer,
                  seq: int | None) -> None:
         self.tensor = tensor
-        self.work = work
+        # Its machine's sum (the local reduce), kept apart from `work`: the stage it is in
+        # now (the reduce, then on leaders the all-reduce between machines, then the
+        # broadcast), which the backend's thread may move on at any time.
+        self.reduced = reduced
+        self.work = reduced
         self.buffer = buffer
         self.landed = False   # (leaders) its machine's sum is in
         # Its number in the machine's shared memory, or None where it goes by the local
@@ -178,8 +182,11 @@ class _Stages:
         try:
             with self._lock:
                 waiting = list(self._to_cross)
-            for piece in waiting:      # leaders: every local sum in, every cross started
-                wait_for(piece.work, timeout)
+            # Leaders: every local sum in, every cross started. Only the local sums are
+            # waited for here: a piece may cross the moment it lands, and waiting for its
+            # cross would hold back every broadcast until the last piece had crossed.
+            for piece in waiting:
+                wait_for(piece.reduced, timeout)
                 self._landed(piece)
             while buffer.unstarted:
                 if self._error is not None:
