@@ -33,6 +33,9 @@ TORCH_LIBRARY(torchstrategy, m) {
         "Tensor q_t, Tensor(b!) out) -> ()");
   m.def("powersgd_finish_batched(Tensor(a!) residual, Tensor p, Tensor q_local_t, "
         "Tensor q_t, Tensor(b!) out) -> ()");
+  m.def("powersgd_project(Tensor(a!) residual, Tensor grad, Tensor q_t, Tensor(b!) p) -> ()");
+  m.def("powersgd_project_reference(Tensor(a!) residual, Tensor grad, Tensor q_t, "
+        "Tensor(b!) p) -> ()");
 }
 
 // Every device without a dedicated kernel gets the generic implementation.
@@ -48,6 +51,8 @@ TORCH_LIBRARY_IMPL(torchstrategy, CompositeExplicitAutograd, m) {
   m.impl("powersgd_finish", &torchstrategy::powersgd_finish_generic);
   m.impl("powersgd_finish_reference", &torchstrategy::powersgd_finish_generic);
   m.impl("powersgd_finish_batched", &torchstrategy::powersgd_finish_batched_generic);
+  m.impl("powersgd_project", &torchstrategy::powersgd_project_generic);
+  m.impl("powersgd_project_reference", &torchstrategy::powersgd_project_generic);
 }
 
 TORCH_LIBRARY_IMPL(torchstrategy, CPU, m) {
@@ -57,6 +62,7 @@ TORCH_LIBRARY_IMPL(torchstrategy, CPU, m) {
   m.impl("dequantize_sum", &torchstrategy::dequantize_sum_cpu);
   m.impl("powersgd_finish", &torchstrategy::powersgd_finish_cpu);
   m.impl("powersgd_finish_batched", &torchstrategy::powersgd_finish_batched_cpu);
+  m.impl("powersgd_project", &torchstrategy::powersgd_project_cpu);
 }
 
 #ifdef TORCHSTRATEGY_WITH_CUDA  // set by setup.py when csrc/*.cu is built

@@ -46,6 +46,48 @@ TORCHSTRATEGY_INLINE void finish_rows_of_rank(float* __restrict residual,
   }
 }
 
+// Rows [lo, hi) of one matrix: m = residual[i] + grad[i], kept in the residual, and
+// p[i] = m q_t^T. Each of the R products is summed in kLanes partial sums (column j goes to
+// lane j % kLanes), which the compiler keeps in vector registers, then the lanes in order
+// and the columns past the last full group of lanes: a fixed order, whatever the threads.
+constexpr int kLanes = 16;
+
+template <int R>
+TORCHSTRATEGY_INLINE void project_rows_of_rank(float* __restrict residual,
+                                               const float* __restrict grad,
+                                               const float* __restrict q_t,
+                                               float* __restrict p, int64_t lo, int64_t hi,
+                                               int64_t cols) {
+  for (int64_t i = lo; i < hi; ++i) {
+    float* __restrict res = residual + i * cols;
+    const float* __restrict g = grad + i * cols;
+    float lanes[R][kLanes] = {};
+    int64_t j = 0;
+    for (; j + kLanes <= cols; j += kLanes) {
+      float m[kLanes];
+      for (int l = 0; l < kLanes; ++l) {
+        m[l] = res[j + l] + g[j + l];
+        res[j + l] = m[l];
+      }
+      for (int r = 0; r < R; ++r) {
+        const float* __restrict q = q_t + r * cols + j;
+        for (int l = 0; l < kLanes; ++l) lanes[r][l] += m[l] * q[l];
+      }
+    }
+    float rest[R] = {};
+    for (; j < cols; ++j) {
+      const float m = res[j] + g[j];
+      res[j] = m;
+      for (int r = 0; r < R; ++r) rest[r] += m * q_t[r * cols + j];
+    }
+    for (int r = 0; r < R; ++r) {
+      float sum = 0.f;
+      for (int l = 0; l < kLanes; ++l) sum += lanes[r][l];
+      p[i * R + r] = sum + rest[r];
+    }
+  }
+}
+
 // The ranks with a fused kernel; others take the generic one.
 bool has_fused_rank(int64_t rank) { return rank == 1 || rank == 2 || rank == 4 || rank == 8; }
 
@@ -57,6 +99,18 @@ void finish_rows(float* residual, const float* p, const float* q_local_t, const 
     case 2: finish_rows_of_rank<2>(residual, p, q_local_t, q_t, out, lo, hi, cols); break;
     case 4: finish_rows_of_rank<4>(residual, p, q_local_t, q_t, out, lo, hi, cols); break;
     case 8: finish_rows_of_rank<8>(residual, p, q_local_t, q_t, out, lo, hi, cols); break;
+    default: break;  // excluded by has_fused_rank
+  }
+}
+
+TORCHSTRATEGY_CLONES
+void project_rows(float* residual, const float* grad, const float* q_t, float* p, int64_t lo,
+                  int64_t hi, int64_t cols, int64_t rank) {
+  switch (rank) {
+    case 1: project_rows_of_rank<1>(residual, grad, q_t, p, lo, hi, cols); break;
+    case 2: project_rows_of_rank<2>(residual, grad, q_t, p, lo, hi, cols); break;
+    case 4: project_rows_of_rank<4>(residual, grad, q_t, p, lo, hi, cols); break;
+    case 8: project_rows_of_rank<8>(residual, grad, q_t, p, lo, hi, cols); break;
     default: break;  // excluded by has_fused_rank
   }
 }
@@ -100,6 +154,22 @@ void check_batch_args(const at::Tensor& residual, const at::Tensor& p,
   check_batch(q_local_t, "q_local_t", count, rank, cols);
   check_batch(q_t, "q_t", count, rank, cols);
   check_batch(out, "out", count, rows, cols);
+}
+
+void check_project_args(const at::Tensor& residual, const at::Tensor& grad,
+                        const at::Tensor& q_t, const at::Tensor& p) {
+  TORCH_CHECK(residual.dim() == 3 && residual.scalar_type() == at::kFloat &&
+                  residual.is_contiguous(),
+              "powersgd: the residual must be a contiguous float tensor of "
+              "count x rows x cols, got ", residual.sizes());
+  const int64_t count = residual.size(0), rows = residual.size(1), cols = residual.size(2);
+  TORCH_CHECK(q_t.dim() == 3, "powersgd: q_t must be count x rank x cols, got ", q_t.sizes());
+  const int64_t rank = q_t.size(1);
+  check_batch(grad, "grad", count, rows, cols);
+  check_batch(q_t, "q_t", count, rank, cols);
+  check_batch(p, "p", count, rows, rank);
+  TORCH_CHECK(p.scalar_type() == at::kFloat, "powersgd: p must be float, got ",
+              p.scalar_type());
 }
 
 bool is_float_batch(const at::Tensor& t) {
@@ -191,6 +261,45 @@ void powersgd_finish_batched_cpu(at::Tensor residual, const at::Tensor& p,
       finish_rows(res + b * matrix, pp + b * rows * rank, ql + b * rank * cols,
                   q + b * rank * cols, o + b * matrix, lo - b * rows, end - b * rows, cols,
                   rank);
+      lo = end;
+    }
+  });
+}
+
+void powersgd_project_generic(at::Tensor residual, const at::Tensor& grad,
+                              const at::Tensor& q_t, at::Tensor p) {
+  check_project_args(residual, grad, q_t, p);
+  residual.add_(grad);
+  if (p.is_contiguous()) {
+    at::bmm_out(p, residual, q_t.transpose(1, 2));
+  } else {
+    p.copy_(at::bmm(residual, q_t.transpose(1, 2)));
+  }
+}
+
+void powersgd_project_cpu(at::Tensor residual, const at::Tensor& grad, const at::Tensor& q_t,
+                          at::Tensor p) {
+  check_project_args(residual, grad, q_t, p);
+  const int64_t count = residual.size(0), rows = residual.size(1), cols = residual.size(2);
+  const int64_t rank = q_t.size(1);
+  if (!has_fused_rank(rank) || !is_float_batch(grad) || !is_float_batch(q_t) ||
+      !is_float_batch(p)) {
+    powersgd_project_generic(residual, grad, q_t, p);
+    return;
+  }
+  float* res = residual.data_ptr<float>();
+  const float* g = grad.const_data_ptr<float>();
+  const float* q = q_t.const_data_ptr<float>();
+  float* pp = p.data_ptr<float>();
+  const int64_t matrix = rows * cols;
+  // As the batched finish: parallel over the rows of every matrix together, a task's rows
+  // cut at the matrices' borders.
+  at::parallel_for(0, count * rows, grain_rows(cols), [&](int64_t lo, int64_t hi) {
+    while (lo < hi) {
+      const int64_t b = lo / rows;
+      const int64_t end = std::min(hi, (b + 1) * rows);
+      project_rows(res + b * matrix, g + b * matrix, q + b * rank * cols,
+                   pp + b * rows * rank, lo - b * rows, end - b * rows, cols, rank);
       lo = end;
     }
   });

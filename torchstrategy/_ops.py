@@ -86,6 +86,17 @@ def powersgd_finish(residual: torch.Tensor, p: torch.Tensor, q_local_t: torch.Te
     torch.ops.torchstrategy.powersgd_finish(residual, p, q_local_t, q_t, out)
 
 
+def powersgd_project(residual: torch.Tensor, grad: torch.Tensor, q_t: torch.Tensor,
+                     p: torch.Tensor) -> None:
+    """PowerSGD's first pass for `count` matrices of one shape, in place
+    (csrc/powersgd_ops.h): ``residual += grad`` (M), ``p = residual @ q_t^T`` (P = M Q);
+    `residual` and `grad` are ``count x rows x cols``, `q_t` ``count x rank x cols``, `p`
+    ``count x rows x rank``. One sweep over M on CPU, each matrix the same bits alone or in
+    a run, whatever the thread count."""
+    _require_extension()
+    torch.ops.torchstrategy.powersgd_project(residual, grad, q_t, p)
+
+
 def powersgd_finish_batched(residual: torch.Tensor, p: torch.Tensor, q_local_t: torch.Tensor,
                             q_t: torch.Tensor, out: torch.Tensor) -> None:
     """`powersgd_finish` for `count` matrices of one shape at once, in place: `residual` and

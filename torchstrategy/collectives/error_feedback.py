@@ -356,8 +356,8 @@ class ErrorFeedbackStage:
         # The matrices of a run (same shape, back to back in the bucket, their residuals
         # and Q^T back to back in the layout's buffers) go through each step together, a
         # stretch of used ones at a time: one call per stretch instead of one per matrix,
-        # whose fixed cost dominates for small matrices. The last pass (residual and
-        # output) is one fused kernel (csrc/powersgd_ops.h).
+        # whose fixed cost dominates for small matrices. The first pass (M, and P = M Q)
+        # and the last (residual and output) are fused kernels (csrc/powersgd_ops.h).
         work: list[_Stretch] = []
         for run in layout.runs:
             for lo, count in _stretches(used, run.first, run.count):
@@ -370,15 +370,10 @@ class ErrorFeedbackStage:
                          dtype=torch.float32, device=flat.device)
         at = 0
         for w in work:
-            m = w.m
-            m.add_(w.view)                              # M = gradient + residual, in place
             p = ps.narrow(0, at, w.count * w.run.rows * rank).view(w.count, w.run.rows, rank)
             at += w.count * w.run.rows * rank
-            q_t = w.run.q_t.narrow(0, w.lo, w.count)
-            if w.count == 1:   # a lone matrix (the large ones): BLAS's mm, as it always was
-                torch.mm(m[0], q_t[0].t(), out=p[0])    # P = M Q
-            else:
-                torch.bmm(m, q_t.transpose(1, 2), out=p)
+            # M = gradient + residual, in place, and P = M Q: one sweep over M on CPU.
+            _ops.powersgd_project(w.m, w.view, w.run.q_t.narrow(0, w.lo, w.count), p)
         p_sum = dist.all_reduce(ps, group=group, async_op=True) if work else None
         if work:
             self._sent(ps)
