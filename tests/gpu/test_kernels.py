@@ -1,8 +1,9 @@
 """The CUDA kernels of torchstrategy._C (csrc/bucket_ops_cuda.cu: pack, unpack, and the
 narrowing to the bf16/fp16 wire fused into pack) and the compression kernels on CUDA
-(ef_quantize_int8, dequantize_sum, powersgd_finish: the generic ATen kernels there) against
-torch's reference, exactly: fp32, bf16 and fp16, odd sizes, slots and tensors at misaligned
-addresses, one tensor spanning several of the kernel's 16K-element chunks.
+(ef_quantize_int8, dequantize_sum, powersgd_finish, powersgd_project: the generic ATen
+kernels there) against torch's reference, exactly: fp32, bf16 and fp16, odd sizes, slots
+and tensors at misaligned addresses, one tensor spanning several of the kernel's 16K-element
+chunks.
 
 Every test runs on each device: "cpu" checks the CPU kernels against the same reference here
 (the comparison logic is the same), "cuda" is skipped without a GPU, saying so.
@@ -232,3 +233,22 @@ def test_powersgd_finish_equals_the_products(device, rows, cols, rank):
                          q_sum_t.float().contiguous().to(device), got_out)
     torch.testing.assert_close(got_residual.cpu().double(), want_residual, rtol=0, atol=2e-5)
     torch.testing.assert_close(got_out.cpu().double(), want_out, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("count,rows,cols,rank", [(1, 1024, 768, 4), (3, 300, 17, 1),
+                                                  (2, 40, 30, 3)])
+def test_powersgd_project_equals_the_add_and_product(device, count, rows, cols, rank):
+    g = torch.Generator().manual_seed(rows)
+    residual = torch.randn(count, rows, cols, generator=g, dtype=torch.float64)
+    grad = torch.randn(count, rows, cols, generator=g, dtype=torch.float64)
+    q_t = torch.randn(count, rank, cols, generator=g, dtype=torch.float64)
+    # M in float32 on the device is the float32 sum exactly; P against float64 on the CPU.
+    want_m = residual.float() + grad.float()
+    want_p = torch.bmm(residual + grad, q_t.transpose(1, 2))
+    got_m = residual.float().to(device)
+    got_p = torch.empty(count, rows, rank, device=device)
+    _ops.powersgd_project(got_m, grad.float().to(device), q_t.float().contiguous().to(device),
+                          got_p)
+    assert torch.equal(got_m.cpu(), want_m)
+    torch.testing.assert_close(got_p.cpu().double(), want_p, rtol=1e-5, atol=1e-3)
