@@ -181,6 +181,21 @@ int64_t grain_rows(int64_t cols) {
   return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(cols, 1));
 }
 
+// Calls `rows_of(b, lo, hi)` for rows [lo, hi) of matrix b, over the rows of all `count`
+// matrices together, in parallel (many small matrices still fill every thread); a task's
+// rows are cut at the matrices' borders.
+template <typename RowsOf>
+void parallel_over_rows(int64_t count, int64_t rows, int64_t cols, const RowsOf& rows_of) {
+  at::parallel_for(0, count * rows, grain_rows(cols), [&](int64_t lo, int64_t hi) {
+    while (lo < hi) {
+      const int64_t b = lo / rows;
+      const int64_t end = std::min(hi, (b + 1) * rows);
+      rows_of(b, lo - b * rows, end - b * rows);
+      lo = end;
+    }
+  });
+}
+
 }  // namespace
 
 void powersgd_finish_generic(at::Tensor residual, const at::Tensor& p,
@@ -251,18 +266,10 @@ void powersgd_finish_batched_cpu(at::Tensor residual, const at::Tensor& p,
   const float* q = q_t.const_data_ptr<float>();
   float* o = out.data_ptr<float>();
   const int64_t matrix = rows * cols;
-  // Parallel over the rows of every matrix together (many small matrices still fill every
-  // thread); a task's rows are cut at the matrices' borders. Each row's terms are added as
-  // in the per-matrix kernel: the same bits.
-  at::parallel_for(0, count * rows, grain_rows(cols), [&](int64_t lo, int64_t hi) {
-    while (lo < hi) {
-      const int64_t b = lo / rows;
-      const int64_t end = std::min(hi, (b + 1) * rows);
-      finish_rows(res + b * matrix, pp + b * rows * rank, ql + b * rank * cols,
-                  q + b * rank * cols, o + b * matrix, lo - b * rows, end - b * rows, cols,
-                  rank);
-      lo = end;
-    }
+  // Each row's terms are added as in the per-matrix kernel: the same bits.
+  parallel_over_rows(count, rows, cols, [&](int64_t b, int64_t lo, int64_t hi) {
+    finish_rows(res + b * matrix, pp + b * rows * rank, ql + b * rank * cols,
+                q + b * rank * cols, o + b * matrix, lo, hi, cols, rank);
   });
 }
 
@@ -292,16 +299,9 @@ void powersgd_project_cpu(at::Tensor residual, const at::Tensor& grad, const at:
   const float* q = q_t.const_data_ptr<float>();
   float* pp = p.data_ptr<float>();
   const int64_t matrix = rows * cols;
-  // As the batched finish: parallel over the rows of every matrix together, a task's rows
-  // cut at the matrices' borders.
-  at::parallel_for(0, count * rows, grain_rows(cols), [&](int64_t lo, int64_t hi) {
-    while (lo < hi) {
-      const int64_t b = lo / rows;
-      const int64_t end = std::min(hi, (b + 1) * rows);
-      project_rows(res + b * matrix, g + b * matrix, q + b * rank * cols,
-                   pp + b * rows * rank, lo - b * rows, end - b * rows, cols, rank);
-      lo = end;
-    }
+  parallel_over_rows(count, rows, cols, [&](int64_t b, int64_t lo, int64_t hi) {
+    project_rows(res + b * matrix, g + b * matrix, q + b * rank * cols, pp + b * rows * rank,
+                 lo, hi, cols, rank);
   });
 }
 
