@@ -34,6 +34,23 @@ def real_exit():
         yield
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_process_group_outlives_its_file():
+    """A process group that a file's tests left in this pytest process (a strategy of one
+    replica made in-process keeps its group until the process exits) is released when the
+    file ends. pytest-xdist hands whole files to a few long-lived worker processes, in an
+    order that follows the recorded durations, so without this the next file on the worker
+    would inherit the group, and a replica it forks (``ts.launch(start_method="fork")``)
+    would find torch.distributed already initialised as a world of one."""
+    yield
+    import torch.distributed as dist   # here: collecting the suite does not import torch
+
+    from torchstrategy import runtime
+
+    if dist.is_available() and dist.is_initialized():
+        runtime.current().release_process_group()
+
+
 # The longest test files start first, and every whole-suite run records how long each file
 # took for the next one (tests/file_order.py; scripts/test.sh keeps the order with
 # --no-loadscope-reorder).
