@@ -157,12 +157,12 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     return {last_bytes_, last_buckets_, last_waited_, steps_};
   }
   // Live recovery's escape from a gloo collective that cannot complete any more (its group
-  // abandoned by a replica that is recovering): after set_interrupted(true), from any thread, a
-  // wait of finalize() on the process group gives up within kInterruptPoll and throws an
-  // error that says the group's connections were closed; set_interrupted(false) undoes it. A gloo
-  // collective does not always fail when its sockets are shut down (seen: a ring's receive
-  // that kept waiting for the whole collective timeout), so the wait itself must end.
-  // Nothing changes for other backends, or for buckets launched through Python.
+  // abandoned by a replica that is recovering): after set_interrupted(true), from any
+  // thread, a wait of finalize() on the process group gives up within kInterruptPoll and
+  // throws an error that says the group's connections were closed; set_interrupted(false)
+  // undoes it. A gloo collective does not always fail when its sockets are shut down (seen:
+  // a ring's receive that kept waiting for the whole collective timeout), so the wait itself
+  // must end. Nothing changes for other backends, or for buckets launched through Python.
   void set_interrupted(bool interrupted) { interrupted_.store(interrupted); }
   // Before a gloo group is abandoned: waits up to `seconds` for the collectives this
   // reducer left in flight (the flags' sum, buckets of a failed step) to end, each as it

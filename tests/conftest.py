@@ -2,6 +2,9 @@ import importlib.util
 import os
 
 import pytest
+import torch.distributed as dist
+
+from torchstrategy import runtime
 
 # tests/xla/ needs torch_xla and runs in its own environment (.venv-xla, see scripts/test.sh).
 collect_ignore = [] if importlib.util.find_spec("torch_xla") else ["xla"]
@@ -43,10 +46,6 @@ def _no_process_group_outlives_its_file():
     would inherit the group, and a replica it forks (``ts.launch(start_method="fork")``)
     would find torch.distributed already initialised as a world of one."""
     yield
-    import torch.distributed as dist   # here: collecting the suite does not import torch
-
-    from torchstrategy import runtime
-
     if dist.is_available() and dist.is_initialized():
         runtime.current().release_process_group()
 
